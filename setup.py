@@ -1,0 +1,98 @@
+"""Build mpzero, and its CUDA extension ``mpzero._C`` when a CUDA toolchain is there.
+
+``MPZERO_BUILD_CUDA``: ``auto`` (default) builds the extension when torch is a
+CUDA build and ``nvcc`` is found; ``1`` requires it (clear error otherwise);
+``0`` installs pure Python. ``TORCH_CUDA_ARCH_LIST`` is respected (default 9.0).
+"""
+
+import glob
+import os
+import shutil
+import sys
+import time
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _log(msg: str) -> None:
+    print(f"[mpzero setup] {msg}", file=sys.stderr, flush=True)
+
+
+def _cuda_wanted() -> tuple[bool, str]:
+    mode = os.environ.get("MPZERO_BUILD_CUDA", "auto").strip().lower()
+    if mode not in ("0", "1", "auto"):
+        raise SystemExit(f"MPZERO_BUILD_CUDA must be 0, 1 or auto, got {mode!r}")
+    if mode == "0":
+        return False, "MPZERO_BUILD_CUDA=0"
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError as e:  # pragma: no cover - build isolation without torch
+        reason = f"torch is not importable in the build environment ({e})"
+        if mode == "1":
+            raise SystemExit(f"MPZERO_BUILD_CUDA=1 but {reason}; use --no-build-isolation")
+        return False, reason
+    problems = []
+    if torch.version.cuda is None:
+        problems.append(f"torch {torch.__version__} is not a CUDA build")
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        problems.append("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+    if problems:
+        if mode == "1":
+            raise SystemExit("MPZERO_BUILD_CUDA=1 but " + "; ".join(problems))
+        return False, "; ".join(problems)
+    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), CUDA_HOME={CUDA_HOME}"
+
+
+def _nvidia_wheel_dirs() -> tuple[list[str], list[str]]:
+    """Headers/libs of the nvidia-* wheels next to torch (cuBLAS/cuSPARSE headers that
+    ATen/cuda/CUDAContext.h includes may be missing from a minimal toolkit)."""
+    import torch
+
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    inc, lib = [], []
+    for root in sorted(glob.glob(os.path.join(site, "nvidia", "*"))):
+        if os.path.isdir(os.path.join(root, "include")):
+            inc.append(os.path.join(root, "include"))
+        if os.path.isdir(os.path.join(root, "lib")):
+            lib.append(os.path.join(root, "lib"))
+    return inc, lib
+
+
+def _extensions():
+    build, why = _cuda_wanted()
+    if not build:
+        _log(f"building pure Python (no mpzero._C): {why}")
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
+    inc, lib = _nvidia_wheel_dirs()
+    _log(f"building mpzero._C for arch {os.environ['TORCH_CUDA_ARCH_LIST']}: {why}")
+    _log(f"sources: {', '.join(sources)}")
+    ext = CUDAExtension(
+        name="mpzero._C",
+        sources=sources,
+        include_dirs=[os.path.join(HERE, "csrc"), *inc],
+        library_dirs=lib,
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+        },
+    )
+
+    class TimedBuild(BuildExtension):
+        def build_extensions(self):
+            t0 = time.time()
+            super().build_extensions()
+            _log(f"mpzero._C built in {time.time() - t0:.1f} s")
+
+    return [ext], {"build_ext": TimedBuild}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
