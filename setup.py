@@ -32,7 +32,9 @@ def _cuda_wanted() -> tuple[bool, str]:
     except ImportError as e:  # pragma: no cover - build isolation without torch
         reason = f"torch is not importable in the build environment ({e})"
         if mode == "1":
-            raise SystemExit(f"MPZERO_BUILD_CUDA=1 but {reason}; use --no-build-isolation")
+            raise SystemExit(
+                f"MPZERO_BUILD_CUDA=1 but {reason}; use --no-build-isolation"
+            ) from e
         return False, reason
     problems = []
     if torch.version.cuda is None:
@@ -70,7 +72,9 @@ def _extensions():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
+    sources = sorted(
+        glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu"))
+    )
     inc, lib = _nvidia_wheel_dirs()
     _log(f"building mpzero._C for arch {os.environ['TORCH_CUDA_ARCH_LIST']}: {why}")
     _log(f"sources: {', '.join(sources)}")

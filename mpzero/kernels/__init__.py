@@ -1,0 +1,171 @@
+"""Fused multi-tensor kernels: one API over the CUDA extension and the PyTorch reference.
+
+Each function uses ``mpzero._C`` (``csrc/``) when the extension imports and all
+tensors are CUDA tensors of the dtypes it handles (fp32/fp16/bf16 state), and
+the pure-PyTorch :mod:`mpzero.kernels.reference` otherwise. The reference is
+the specification: the GPU tests check the kernels against it.
+
+Math of :func:`adam`, per element in fp32 registers whatever the storage dtypes::
+
+    g = grad * grad_scale                       (grad_scale: optional device scalar)
+    if not adam_w_mode: g += weight_decay * p   (L2 mode)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    mh, vh = m / (1 - beta1^t), v / (1 - beta2^t)   (bias_correction; else m, v)
+    u = mh / (sqrt(vh) + eps)
+    if adam_w_mode: u += weight_decay * p      (decoupled decay)
+    p -= lr * u
+
+The bias corrections are computed as reciprocals in fp64 and rounded to fp32
+(``mh = m * fp32(1 / (1 - beta1^t))``). ``lr`` and ``step`` may be 0-dim device
+tensors and ``found_inf`` a 0-dim fp32 device flag: a nonzero flag makes the
+call change nothing. With tensors for all three there is no host sync, so the
+call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpzero.kernels import reference
+
+try:  # the CUDA extension is optional
+    from mpzero.kernels import cuda as _cuda
+except ImportError:  # pragma: no cover - exercised where the extension is absent
+    _cuda = None
+
+__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "extension_available"]
+
+Scalar = float | int | torch.Tensor
+
+
+def extension_available() -> bool:
+    """True when ``mpzero._C`` was built and imports."""
+    return _cuda is not None
+
+
+def _on_cuda(*lists: Sequence[torch.Tensor] | None) -> bool:
+    if _cuda is None:
+        return False
+    seen = False
+    for lst in lists:
+        if lst is None:
+            continue
+        for t in lst:
+            if not t.is_cuda:
+                return False
+            seen = True
+    return seen
+
+
+def adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    params_out: Sequence[torch.Tensor] | None = None,
+    *,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Scalar,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Fused Adam/AdamW step, in place on ``params``, ``exp_avgs`` and ``exp_avg_sqs``.
+
+    ``params`` (fp32/fp16/bf16) are the master shards; ``exp_avgs``/``exp_avg_sqs``
+    have the params' dtype; ``grads`` (fp32/fp16/bf16) are read only; ``params_out``
+    (optional) receives the updated fp32 value cast to its own dtype. All lists have
+    the same length and pairwise equal element counts; ``step`` is the step number
+    t >= 1 after the increment. See the module docstring for the math.
+    """
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+              adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+              grad_scale=grad_scale, found_inf=found_inf)
+    if len(params) == 0:
+        return
+    if _on_cuda(params, grads, exp_avgs, exp_avg_sqs, params_out) and _cuda.adam_supported(
+        params, grads, exp_avgs, exp_avg_sqs, params_out
+    ):
+        _cuda.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
+    else:
+        reference.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
+
+
+def adam_remainders(
+    params_bf16: Sequence[torch.Tensor],
+    remainders: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    params_out: Sequence[torch.Tensor] | None = None,
+    *,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Scalar,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Adam on fp32 masters kept as bf16 ``params_bf16`` + int16 ``remainders``.
+
+    The master is ``merge_remainder(p, rem)`` (``mpzero.optimizers.precision``);
+    it is updated with fp32 ``exp_avgs``/``exp_avg_sqs`` and split back in place.
+    ``params_out`` (optional) gets the new bf16 value, or the new master cast to
+    its dtype when it is not bf16.
+    """
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+              adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+              grad_scale=grad_scale, found_inf=found_inf)
+    if len(params_bf16) == 0:
+        return
+    lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out)
+    if _on_cuda(*lists) and _cuda.adam_remainders_supported(*lists):
+        _cuda.adam_remainders(*lists, **kw)
+    else:
+        reference.adam_remainders(*lists, **kw)
+
+
+def l2norm(
+    tensors: Sequence[torch.Tensor],
+    *,
+    noop_flag: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """0-dim fp32 L2 norm of all elements of all ``tensors`` (fp32 accumulation).
+
+    When ``noop_flag`` (0-dim fp32) is given and the norm is not finite, the flag
+    is set to 1 on the device. An empty list gives 0 on ``device`` (default CPU).
+    """
+    if len(tensors) == 0:
+        return reference.l2norm(tensors, device=device)
+    if _on_cuda(tensors) and _cuda.l2norm_supported(tensors):
+        return _cuda.l2norm(tensors, noop_flag=noop_flag)
+    return reference.l2norm(tensors, noop_flag=noop_flag)
+
+
+def multi_copy(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    noop_flag: torch.Tensor | None = None,
+) -> None:
+    """``dst.copy_(src)`` for every pair: casts among fp32/fp16/bf16, or same-dtype copies
+    of any dtype. Nothing is copied when ``noop_flag`` is given and nonzero."""
+    if len(srcs) == 0:
+        return
+    if _on_cuda(srcs, dsts) and _cuda.multi_copy_supported(srcs, dsts):
+        _cuda.multi_copy(srcs, dsts, noop_flag=noop_flag)
+    else:
+        reference.multi_copy(srcs, dsts, noop_flag=noop_flag)

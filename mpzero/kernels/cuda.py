@@ -1,0 +1,118 @@
+"""Thin wrappers around ``mpzero._C`` (``csrc/``). Importing this module fails with
+ImportError when the extension is not built; :mod:`mpzero.kernels` then uses the
+reference implementations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpzero import _C
+
+__all__ = [
+    "adam",
+    "adam_remainders",
+    "l2norm",
+    "multi_copy",
+    "set_launch_config",
+    "get_launch_config",
+]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
+    return lst is None or all(t.dtype in _FLOATS for t in lst)
+
+
+def adam_supported(params, grads, exp_avgs, exp_avg_sqs, params_out) -> bool:
+    return (
+        _floats(params)
+        and _floats(grads)
+        and _floats(params_out)
+        and all(m.dtype == p.dtype for p, m in zip(params, exp_avgs))
+        and all(v.dtype == p.dtype for p, v in zip(params, exp_avg_sqs))
+    )
+
+
+def adam_remainders_supported(params, rems, grads, exp_avgs, exp_avg_sqs, params_out) -> bool:
+    return (
+        all(p.dtype == torch.bfloat16 for p in params)
+        and all(r.dtype == torch.int16 for r in rems)
+        and _floats(grads)
+        and _floats(params_out)
+        and all(t.dtype == torch.float32 for t in exp_avgs)
+        and all(t.dtype == torch.float32 for t in exp_avg_sqs)
+    )
+
+
+def l2norm_supported(tensors) -> bool:
+    return _floats(tensors)
+
+
+def multi_copy_supported(srcs, dsts) -> bool:
+    return all(
+        s.dtype == d.dtype or (s.dtype in _FLOATS and d.dtype in _FLOATS)
+        for s, d in zip(srcs, dsts)
+    )
+
+
+def _dev_scalar(x, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    """A 0-dim tensor of ``dtype`` on ``device``; no copy when it already is one."""
+    if x.device != device or x.dtype != dtype or x.dim() != 0:
+        x = x.to(device=device, dtype=dtype).reshape(())
+    return x
+
+
+def _scalar_args(device, lr, step, grad_scale, found_inf):
+    if isinstance(lr, torch.Tensor):
+        lr_f, lr_t = 0.0, _dev_scalar(lr, device)
+    else:
+        lr_f, lr_t = float(lr), None
+    if isinstance(step, torch.Tensor):
+        step_i, step_t = 0, _dev_scalar(step, device, step.dtype)
+    else:
+        step_i, step_t = int(step), None
+    gs = None if grad_scale is None else _dev_scalar(grad_scale, device)
+    fi = None if found_inf is None else _dev_scalar(found_inf, device)
+    return lr_f, lr_t, step_i, step_t, gs, fi
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, params_out=None, *, lr, beta1, beta2, eps,
+         weight_decay, step, adam_w_mode=True, bias_correction=True, grad_scale=None,
+         found_inf=None) -> None:
+    dev = params[0].device
+    lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
+    _C.adam(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+            list(params_out) if params_out is not None else [],
+            lr_f, lr_t, float(beta1), float(beta2), float(eps), float(weight_decay),
+            step_i, step_t, bool(adam_w_mode), bool(bias_correction), gs, fi)
+
+
+def adam_remainders(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out=None, *,
+                    lr, beta1, beta2, eps, weight_decay, step, adam_w_mode=True,
+                    bias_correction=True, grad_scale=None, found_inf=None) -> None:
+    dev = params_bf16[0].device
+    lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
+    _C.adam_remainders(list(params_bf16), list(remainders), list(grads), list(exp_avgs),
+                       list(exp_avg_sqs), list(params_out) if params_out is not None else [],
+                       lr_f, lr_t, float(beta1), float(beta2), float(eps), float(weight_decay),
+                       step_i, step_t, bool(adam_w_mode), bool(bias_correction), gs, fi)
+
+
+def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:
+    return _C.l2norm(list(tensors), noop_flag)
+
+
+def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
+    _C.multi_copy(list(srcs), list(dsts), noop_flag)
+
+
+def set_launch_config(threads: int = 0, blocks_per_sm: int = 0, chunk_elems: int = 0) -> None:
+    """Tuning knob for benchmarks: 0 keeps the current value."""
+    _C.set_launch_config(int(threads), int(blocks_per_sm), int(chunk_elems))
+
+
+def get_launch_config() -> tuple[int, int, int]:
+    return tuple(_C.get_launch_config())

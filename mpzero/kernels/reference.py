@@ -1,0 +1,220 @@
+"""Pure-PyTorch reference kernels: the executable specification of :mod:`mpzero.kernels`.
+
+Every function does its math in fp32 whatever the storage dtypes, element by
+element in one fixed order of correctly rounded operations (multiply, add,
+divide, square root, never a fused multiply-add; the bias corrections are
+fp64 reciprocals rounded to fp32), so the CUDA kernels, which
+use the same order with round-to-nearest intrinsics, can match them bit for
+bit. Device scalars (``lr``, ``step``, ``grad_scale``, ``found_inf``) are used
+as tensors, so nothing here synchronizes with the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpzero.optimizers.precision import merge_remainder, split_remainder
+
+__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy"]
+
+Scalar = float | int | torch.Tensor
+
+
+def _check_lists(name: str, *lists: Sequence[torch.Tensor] | None) -> int:
+    n = len(lists[0])
+    for lst in lists:
+        if lst is not None and len(lst) != n:
+            raise ValueError(f"{name}: tensor lists have different lengths")
+    return n
+
+
+def _scalar(x: Scalar, device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    """A 0-dim tensor on ``device`` (a device tensor, so CUDA does true division by it)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=dtype).reshape(())
+    return torch.tensor(x, dtype=dtype, device=device)
+
+
+def bias_corrections(
+    beta1: float, beta2: float, step: Scalar, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 / (1 - beta1^t), 1 / (1 - beta2^t))``: computed in fp64, then rounded to fp32."""
+    if isinstance(step, torch.Tensor):
+        t = step.to(device=device, dtype=torch.float64).reshape(())
+        b1 = torch.tensor(beta1, dtype=torch.float64, device=device)
+        b2 = torch.tensor(beta2, dtype=torch.float64, device=device)
+        inv1 = (1.0 / (1.0 - torch.pow(b1, t))).float()
+        inv2 = (1.0 / (1.0 - torch.pow(b2, t))).float()
+        return inv1, inv2
+    return _scalar(1.0 / (1.0 - beta1**step), device), _scalar(1.0 / (1.0 - beta2**step), device)
+
+
+def _adam_math(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    c: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Adam update on fp32 tensors; returns new (p, m, v). ``c`` holds fp32 0-dim scalars."""
+    if c["grad_scale"] is not None:
+        g = g * c["grad_scale"]
+    if not c["adam_w_mode"]:
+        g = g + c["wd"] * p
+    m = c["beta1"] * m + c["omb1"] * g
+    v = c["beta2"] * v + c["omb2"] * (g * g)
+    if c["bias_correction"]:
+        mh = m * c["bc1_inv"]
+        vh = v * c["bc2_inv"]
+    else:
+        mh, vh = m, v
+    u = mh / (torch.sqrt(vh) + c["eps"])
+    if c["adam_w_mode"]:
+        u = u + c["wd"] * p
+    p = p - c["lr"] * u
+    return p, m, v
+
+
+def _consts(device, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode,
+            bias_correction, grad_scale) -> dict:
+    c = {
+        "lr": _scalar(lr, device),
+        "beta1": _scalar(beta1, device),
+        "beta2": _scalar(beta2, device),
+        "omb1": _scalar(1.0 - beta1, device),
+        "omb2": _scalar(1.0 - beta2, device),
+        "eps": _scalar(eps, device),
+        "wd": _scalar(weight_decay, device),
+        "adam_w_mode": bool(adam_w_mode),
+        "bias_correction": bool(bias_correction),
+        "grad_scale": None if grad_scale is None else _scalar(grad_scale, device),
+    }
+    if bias_correction:
+        c["bc1_inv"], c["bc2_inv"] = bias_corrections(beta1, beta2, step, device)
+    return c
+
+
+def _keep_if(flag: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old`` where the device flag is nonzero, else ``new`` (no host sync)."""
+    if flag is None:
+        return new
+    return torch.where(flag.to(old.device).reshape(()) != 0, old, new)
+
+
+def adam(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    params_out: Sequence[torch.Tensor] | None = None,
+    *,
+    lr: Scalar,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: Scalar,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """Fused Adam/AdamW step over lists of tensors (see :func:`mpzero.kernels.adam`)."""
+    n = _check_lists("adam", params, grads, exp_avgs, exp_avg_sqs, params_out)
+    consts = {}
+    for i in range(n):
+        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        if not (p.numel() == g.numel() == m.numel() == v.numel()):
+            raise ValueError(f"adam: tensor {i} has mismatched element counts")
+        if p.numel() == 0:
+            continue
+        dev = p.device
+        if dev not in consts:
+            consts[dev] = _consts(dev, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                  weight_decay=weight_decay, step=step,
+                                  adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+                                  grad_scale=grad_scale)
+        p32, m32, v32 = p.float(), m.float(), v.float()
+        g32 = g.reshape(p.shape).float()
+        np_, nm, nv = _adam_math(p32, g32, m32, v32, consts[dev])
+        np_, nm, nv = (_keep_if(found_inf, p32, np_), _keep_if(found_inf, m32, nm),
+                       _keep_if(found_inf, v32, nv))
+        if params_out is not None:
+            out = params_out[i]
+            out.copy_(_keep_if(found_inf, out.float(), np_).reshape(out.shape))
+        p.copy_(np_)
+        m.copy_(nm)
+        v.copy_(nv)
+
+
+def adam_remainders(
+    params_bf16: Sequence[torch.Tensor],
+    remainders: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    params_out: Sequence[torch.Tensor] | None = None,
+    **kwargs,
+) -> None:
+    """Adam on fp32 masters stored as bf16 params + int16 remainders (see ``precision.py``)."""
+    n = _check_lists("adam_remainders", params_bf16, remainders, grads, exp_avgs, exp_avg_sqs,
+                     params_out)
+    masters = []
+    for i in range(n):
+        p, r = params_bf16[i], remainders[i]
+        if p.dtype != torch.bfloat16 or r.dtype != torch.int16:
+            raise TypeError("adam_remainders: params must be bfloat16 and remainders int16")
+        if exp_avgs[i].dtype != torch.float32 or exp_avg_sqs[i].dtype != torch.float32:
+            raise TypeError("adam_remainders: exp_avg and exp_avg_sq must be float32")
+        masters.append(merge_remainder(p, r))
+    # The fp32 update of the merged masters, then split them back.
+    adam(masters, grads, exp_avgs, exp_avg_sqs, None, **kwargs)
+    for i in range(n):
+        hi, lo = split_remainder(masters[i])
+        params_bf16[i].copy_(hi)
+        remainders[i].copy_(lo)
+        if params_out is not None:
+            out = params_out[i]
+            src = hi if out.dtype == torch.bfloat16 else masters[i]
+            found_inf = kwargs.get("found_inf")
+            out.copy_(_keep_if(found_inf, out, src.to(out.dtype)).reshape(out.shape))
+
+
+def l2norm(
+    tensors: Sequence[torch.Tensor],
+    *,
+    noop_flag: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """sqrt(sum of squares of all elements), fp32 accumulation; flags non-finite results."""
+    if len(tensors) == 0:
+        return torch.zeros((), dtype=torch.float32, device=device or "cpu")
+    dev = tensors[0].device
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    for t in tensors:
+        if t.numel():
+            t32 = t.float()
+            total = total + (t32 * t32).sum()
+    norm = torch.sqrt(total)
+    if noop_flag is not None:
+        noop_flag.copy_(torch.where(torch.isfinite(norm), noop_flag, torch.ones_like(noop_flag)))
+    return norm
+
+
+def multi_copy(
+    srcs: Sequence[torch.Tensor],
+    dsts: Sequence[torch.Tensor],
+    *,
+    noop_flag: torch.Tensor | None = None,
+) -> None:
+    """``dst.copy_(src)`` for each pair (dtype cast), skipped when ``noop_flag`` is nonzero."""
+    _check_lists("multi_copy", srcs, dsts)
+    for s, d in zip(srcs, dsts):
+        if s.numel() != d.numel():
+            raise ValueError(f"multi_copy: numel {s.numel()} != {d.numel()}")
+        if s.numel() == 0:
+            continue
+        src = s.reshape(d.shape).to(d.dtype)
+        d.copy_(_keep_if(noop_flag, d, src))

@@ -1,0 +1,184 @@
+"""parallel_state on real gloo worlds: getters agree, collectives sum exactly their members."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mpzero import parallel_state as ps
+from mpzero.parallel_state import ParallelGrid, optimizer_rank_groups
+
+GETTERS = {
+    "tp": (ps.get_tensor_model_parallel_group, ps.get_tensor_model_parallel_world_size,
+           ps.get_tensor_model_parallel_rank),
+    "pp": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_model_parallel_world_size,
+           ps.get_pipeline_model_parallel_rank),
+    "cp": (ps.get_context_parallel_group, ps.get_context_parallel_world_size,
+           ps.get_context_parallel_rank),
+    "dp": (ps.get_data_parallel_group, ps.get_data_parallel_world_size, ps.get_data_parallel_rank),
+    "tp-pp": (ps.get_model_parallel_group, ps.get_model_parallel_world_size,
+              ps.get_model_parallel_rank),
+    "dist-opt": (ps.get_distributed_optimizer_group, ps.get_distributed_optimizer_world_size,
+                 ps.get_distributed_optimizer_rank),
+    "red-opt": (ps.get_redundant_optimizer_group, ps.get_redundant_optimizer_world_size,
+                ps.get_redundant_optimizer_rank),
+}
+
+
+def _expected_groups(world, tp, cp, pp, order, dos):
+    grid = ParallelGrid.from_world(world, tp=tp, cp=cp, pp=pp, order=order)
+    exp = {k: grid.groups(k) for k in ("tp", "pp", "cp", "dp", "tp-pp")}
+    exp["dist-opt"], exp["red-opt"] = optimizer_rank_groups(grid.groups("dp-cp"), dos)
+    return exp
+
+
+def _check_grid(tp, cp, pp, order, dos):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp, distributed_optimizer_size=dos,
+                                 order=order)
+    exp = _expected_groups(world, tp, cp, pp, order, dos)
+    for kind, (group_fn, size_fn, rank_fn) in GETTERS.items():
+        mine = next(g for g in exp[kind] if rank in g)
+        group = group_fn()
+        assert size_fn() == len(mine) == dist.get_world_size(group), kind
+        assert rank_fn() == mine.index(rank) == dist.get_rank(group), kind
+        # A collective over the group sums exactly its members: sum of 2^rank is unique.
+        t = torch.tensor([float(2**rank)], dtype=torch.float64)
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(2.0**r for r in mine), (kind, t.item(), mine)
+    # The optimizer grid multiplies to the data-parallel (x context) size.
+    assert (ps.get_distributed_optimizer_world_size() * ps.get_redundant_optimizer_world_size()
+            == ps.get_data_parallel_world_size(with_context_parallel=True) == world // (tp * pp))
+    kw = ps.get_optimizer_process_groups()
+    assert set(kw) == {"process_group", "distributed_process_group", "redundant_process_group"}
+    assert dist.get_world_size(kw["process_group"]) == world // (tp * pp)
+    tp_group = next(g for g in exp["tp"] if rank in g)
+    dp_group = next(g for g in exp["dp"] if rank in g)
+    pp_group = next(g for g in exp["pp"] if rank in g)
+    assert ps.get_tensor_model_parallel_src_rank() == tp_group[0]
+    assert ps.get_data_parallel_src_rank() == dp_group[0]
+    i = pp_group.index(rank)
+    assert ps.get_pipeline_model_parallel_next_rank() == pp_group[(i + 1) % pp]
+    assert ps.get_pipeline_model_parallel_prev_rank() == pp_group[(i - 1) % pp]
+    assert ps.get_pipeline_model_parallel_first_rank() == pp_group[0]
+    assert ps.get_pipeline_model_parallel_last_rank() == pp_group[-1]
+    assert ps.is_pipeline_first_stage() == (i == 0)
+    assert ps.is_pipeline_last_stage() == (i == pp - 1)
+    emb = ps.get_embedding_group()
+    assert dist.get_world_size(emb) == (1 if pp == 1 else 2) or i not in (0, pp - 1)
+    ps.destroy_model_parallel()
+    assert not ps.model_parallel_is_initialized()
+    return rank
+
+
+@pytest.mark.parametrize("tp,cp,pp,order,dos", [
+    (1, 1, 1, "tp-cp-dp-pp", None),
+    (2, 1, 1, "tp-cp-dp-pp", None),
+    (1, 1, 1, "tp-cp-dp-pp", 2),
+    (2, 1, 2, "tp-cp-dp-pp", None),
+    (1, 2, 1, "tp-cp-dp-pp", 1),
+    (1, 1, 2, "tp-pp-dp-cp", 1),
+    (1, 1, 1, "dp-tp-cp-pp", 4),
+])
+def test_world4_getters(world, tp, cp, pp, order, dos):
+    assert world(4, _check_grid, tp, cp, pp, order, dos) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_world8_getters():
+    from mpzero.testing import World
+
+    with World(8) as w:
+        for args in [(2, 1, 2, "tp-cp-dp-pp", None), (2, 1, 1, "tp-cp-dp-pp", 2),
+                     (1, 2, 2, "pp-dp-cp-tp", 2), (2, 2, 2, "tp-cp-dp-pp", None),
+                     (1, 1, 1, "tp-cp-dp-pp", 4)]:
+            assert w.run(_check_grid, *args) == list(range(8))
+
+
+def _cycle(n):
+    before = None
+    for i in range(n):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2 if i % 2 else 1,
+                                     distributed_optimizer_size=1)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=ps.get_redundant_optimizer_group())
+        expected = dist.get_world_size() // ps.get_tensor_model_parallel_world_size()
+        assert t.item() == expected
+        n_groups = len(ps._STATE.created)
+        if before is not None and i % 2 == 0:
+            assert n_groups == before
+        before = n_groups if i % 2 == 0 else before
+        ps.destroy_model_parallel()
+        with pytest.raises(RuntimeError, match="not initialized"):
+            ps.get_data_parallel_group()
+    return True
+
+
+def test_init_destroy_cycles(world):
+    assert all(world(2, _cycle, 6))
+
+
+def _destroy_really_destroys():
+    from torch.distributed.distributed_c10d import _world
+
+    before = len(_world.pg_map)
+    ps.initialize_model_parallel(distributed_optimizer_size=1)
+    group = ps.get_data_parallel_group()
+    assert group in _world.pg_map and len(_world.pg_map) > before
+    ps.destroy_model_parallel()
+    assert group not in _world.pg_map
+    assert len(_world.pg_map) == before
+    return True
+
+
+def test_destroy_destroys_groups(world):
+    assert all(world(2, _destroy_really_destroys))
+
+
+def _errors():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        ps.get_tensor_model_parallel_world_size()
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(3\)"):
+        ps.initialize_model_parallel(tensor_model_parallel_size=3)
+    with pytest.raises(ValueError, match="distributed_optimizer_size=3"):
+        ps.initialize_model_parallel(distributed_optimizer_size=3)
+    assert not ps.model_parallel_is_initialized()
+    ps.initialize_model_parallel()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        ps.initialize_model_parallel()
+    ps.destroy_model_parallel()
+    return True
+
+
+def test_errors(world):
+    assert all(world(4, _errors))
+
+
+def _within_nodes():
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        ps.initialize_model_parallel(distribute_within_nodes=True)
+        assert ps.get_distributed_optimizer_world_size() == 2
+        rank = dist.get_rank()
+        t = torch.tensor([float(2**rank)])
+        dist.all_reduce(t, group=ps.get_distributed_optimizer_group())
+        node = rank // 2
+        assert t.item() == 2.0 ** (2 * node) + 2.0 ** (2 * node + 1)
+        ps.destroy_model_parallel()
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+    return True
+
+
+def test_distribute_within_nodes(world):
+    assert all(world(4, _within_nodes))
+
+
+def test_use_before_init_single_process():
+    assert not ps.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ps.get_optimizer_process_groups()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ps.initialize_model_parallel()
