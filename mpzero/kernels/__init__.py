@@ -86,9 +86,18 @@ def adam(
     the same length and pairwise equal element counts; ``step`` is the step number
     t >= 1 after the increment. See the module docstring for the math.
     """
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-              adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-              grad_scale=grad_scale, found_inf=found_inf)
+    kw = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
     if len(params) == 0:
         return
     if _on_cuda(params, grads, exp_avgs, exp_avg_sqs, params_out) and _cuda.adam_supported(
@@ -125,9 +134,18 @@ def adam_remainders(
     ``params_out`` (optional) gets the new bf16 value, or the new master cast to
     its dtype when it is not bf16.
     """
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-              adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-              grad_scale=grad_scale, found_inf=found_inf)
+    kw = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+        found_inf=found_inf,
+    )
     if len(params_bf16) == 0:
         return
     lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out)

@@ -79,26 +79,88 @@ def _scalar_args(device, lr, step, grad_scale, found_inf):
     return lr_f, lr_t, step_i, step_t, gs, fi
 
 
-def adam(params, grads, exp_avgs, exp_avg_sqs, params_out=None, *, lr, beta1, beta2, eps,
-         weight_decay, step, adam_w_mode=True, bias_correction=True, grad_scale=None,
-         found_inf=None) -> None:
+def adam(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    params_out=None,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    adam_w_mode=True,
+    bias_correction=True,
+    grad_scale=None,
+    found_inf=None,
+) -> None:
     dev = params[0].device
     lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
-    _C.adam(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-            list(params_out) if params_out is not None else [],
-            lr_f, lr_t, float(beta1), float(beta2), float(eps), float(weight_decay),
-            step_i, step_t, bool(adam_w_mode), bool(bias_correction), gs, fi)
+    _C.adam(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(params_out) if params_out is not None else [],
+        lr_f,
+        lr_t,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        step_i,
+        step_t,
+        bool(adam_w_mode),
+        bool(bias_correction),
+        gs,
+        fi,
+    )
 
 
-def adam_remainders(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out=None, *,
-                    lr, beta1, beta2, eps, weight_decay, step, adam_w_mode=True,
-                    bias_correction=True, grad_scale=None, found_inf=None) -> None:
+def adam_remainders(
+    params_bf16,
+    remainders,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    params_out=None,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    adam_w_mode=True,
+    bias_correction=True,
+    grad_scale=None,
+    found_inf=None,
+) -> None:
     dev = params_bf16[0].device
     lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
-    _C.adam_remainders(list(params_bf16), list(remainders), list(grads), list(exp_avgs),
-                       list(exp_avg_sqs), list(params_out) if params_out is not None else [],
-                       lr_f, lr_t, float(beta1), float(beta2), float(eps), float(weight_decay),
-                       step_i, step_t, bool(adam_w_mode), bool(bias_correction), gs, fi)
+    _C.adam_remainders(
+        list(params_bf16),
+        list(remainders),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(params_out) if params_out is not None else [],
+        lr_f,
+        lr_t,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        step_i,
+        step_t,
+        bool(adam_w_mode),
+        bool(bias_correction),
+        gs,
+        fi,
+    )
 
 
 def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:

@@ -77,8 +77,9 @@ def _adam_math(
     return p, m, v
 
 
-def _consts(device, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode,
-            bias_correction, grad_scale) -> dict:
+def _consts(
+    device, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode, bias_correction, grad_scale
+) -> dict:
     c = {
         "lr": _scalar(lr, device),
         "beta1": _scalar(beta1, device),
@@ -132,15 +133,26 @@ def adam(
             continue
         dev = p.device
         if dev not in consts:
-            consts[dev] = _consts(dev, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, step=step,
-                                  adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-                                  grad_scale=grad_scale)
+            consts[dev] = _consts(
+                dev,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+                step=step,
+                adam_w_mode=adam_w_mode,
+                bias_correction=bias_correction,
+                grad_scale=grad_scale,
+            )
         p32, m32, v32 = p.float(), m.float(), v.float()
         g32 = g.reshape(p.shape).float()
         np_, nm, nv = _adam_math(p32, g32, m32, v32, consts[dev])
-        np_, nm, nv = (_keep_if(found_inf, p32, np_), _keep_if(found_inf, m32, nm),
-                       _keep_if(found_inf, v32, nv))
+        np_, nm, nv = (
+            _keep_if(found_inf, p32, np_),
+            _keep_if(found_inf, m32, nm),
+            _keep_if(found_inf, v32, nv),
+        )
         if params_out is not None:
             out = params_out[i]
             out.copy_(_keep_if(found_inf, out.float(), np_).reshape(out.shape))
@@ -159,8 +171,9 @@ def adam_remainders(
     **kwargs,
 ) -> None:
     """Adam on fp32 masters stored as bf16 params + int16 remainders (see ``precision.py``)."""
-    n = _check_lists("adam_remainders", params_bf16, remainders, grads, exp_avgs, exp_avg_sqs,
-                     params_out)
+    n = _check_lists(
+        "adam_remainders", params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out
+    )
     masters = []
     for i in range(n):
         p, r = params_bf16[i], remainders[i]
