@@ -1,0 +1,53 @@
+"""Tensor-parallel layers, the autograd mappings between TP regions, and the TP RNG.
+
+``mpzero.tensor_parallel`` follows Megatron-core's names: a GPT block is a
+:class:`ColumnParallelLinear` followed by a :class:`RowParallelLinear`
+(``input_is_parallel=True``), with a :class:`VocabParallelEmbedding` in front and
+:func:`vocab_parallel_cross_entropy` at the end. Groups default to
+``parallel_state.get_tensor_model_parallel_group()``.
+"""
+
+from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpzero.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    init_method_normal,
+    scaled_init_method_normal,
+)
+from mpzero.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mpzero.tensor_parallel.random import (
+    MODEL_PARALLEL_RNG_TRACKER_NAME,
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    get_rng_tracker,
+    model_parallel_cuda_manual_seed,
+    model_parallel_manual_seed,
+)
+from mpzero.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "init_method_normal",
+    "scaled_init_method_normal",
+    "vocab_parallel_cross_entropy",
+    "copy_to_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "MODEL_PARALLEL_RNG_TRACKER_NAME",
+    "RNGStatesTracker",
+    "get_cuda_rng_tracker",
+    "get_rng_tracker",
+    "model_parallel_cuda_manual_seed",
+    "model_parallel_manual_seed",
+    "divide",
+    "set_tensor_model_parallel_attributes",
+]

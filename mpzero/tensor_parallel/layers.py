@@ -1,0 +1,233 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Each layer holds one block of the full weight of its single-device counterpart
+(``nn.Linear``, ``nn.Embedding``) and its forward and backward equal that layer's:
+
+- :class:`ColumnParallelLinear` splits the output features: rank r holds rows
+  ``r*out/tp:(r+1)*out/tp`` of the ``[out, in]`` weight (and of the bias).
+- :class:`RowParallelLinear` splits the input features: rank r holds columns
+  ``r*in/tp:(r+1)*in/tp``; partial products are summed over TP, then the full
+  (replicated) bias is added.
+- :class:`VocabParallelEmbedding` splits the vocabulary rows.
+
+Initialization draws the *full* weight from the default torch RNG on the CPU in
+fp32, identically on every TP rank, and keeps this rank's block: a model built
+from one seed holds the same weights at any TP size, and on CPU or CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mpzero.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from mpzero.tensor_parallel.utils import (
+    divide,
+    resolve_tp_group,
+    set_tensor_model_parallel_attributes,
+    tp_rank,
+    tp_world_size,
+    vocab_range,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def init_method_normal(sigma: float = 0.02) -> InitMethod:
+    """An ``init_method`` filling a tensor in place from N(0, sigma^2)."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
+    """N(0, (sigma / sqrt(2 * num_layers))^2), for projections into the residual stream."""
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def _init_shard(param: nn.Parameter, full_shape: tuple[int, ...], partition_dim: int,
+                rank: int, init_method: InitMethod) -> None:
+    """Draw the full weight (CPU, fp32, default RNG) and copy this rank's block into ``param``."""
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    width = param.shape[partition_dim]
+    with torch.no_grad():
+        param.copy_(master.narrow(partition_dim, rank * width, width))
+
+
+class _TensorParallelModule(nn.Module):
+    """Holds the TP group and its size and rank (resolved once, at construction)."""
+
+    def __init__(self, tp_group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = tp_world_size(self.tp_group)
+        self.tp_rank = tp_rank(self.tp_group)
+
+
+def _param(shape: tuple[int, ...], params_dtype, device) -> nn.Parameter:
+    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """``Y = X A^T + b`` with ``A`` split by rows (output features) over TP ranks.
+
+    ``weight`` is this rank's ``[output_size/tp, input_size]`` block, ``bias`` its
+    ``[output_size/tp]`` block. The input is replicated (its gradient is all-reduced);
+    the output is this rank's block of features, or the full output with
+    ``gather_output=True``. ``forward`` returns ``(output, bias)``: ``bias`` is
+    ``None`` unless ``skip_bias_add``, which returns it instead of adding it (so a
+    caller can fuse the add into what follows).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 gather_output: bool = False, init_method: InitMethod | None = None,
+                 skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.init_method = init_method if init_method is not None else init_method_normal()
+        self.weight = _param((self.output_size_per_partition, input_size), params_dtype, device)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim=0)
+        if bias:
+            self.bias = _param((self.output_size_per_partition,), params_dtype, device)
+            set_tensor_model_parallel_attributes(self.bias, True, partition_dim=0)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Redraw the full weight from the default RNG and keep this rank's rows; zero bias."""
+        _init_shard(self.weight, (self.output_size, self.input_size), 0, self.tp_rank,
+                    self.init_method)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)  # (..., out/tp)
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # (..., out)
+        return out, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"tp={self.tp_size}, bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, skip_bias_add={self.skip_bias_add}")
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """``Y = X A^T + b`` with ``A`` split by columns (input features) over TP ranks.
+
+    ``weight`` is this rank's ``[output_size, input_size/tp]`` block; ``bias`` is full
+    and replicated, added after the sum over ranks. The input is this rank's block of
+    features (``input_is_parallel=True``, e.g. a :class:`ColumnParallelLinear`
+    output) or the full input, which is then split. ``forward`` returns
+    ``(output, bias)`` as :class:`ColumnParallelLinear` does.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True,
+                 input_is_parallel: bool = False, init_method: InitMethod | None = None,
+                 skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(tp_group)
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.init_method = init_method if init_method is not None else init_method_normal()
+        self.weight = _param((output_size, self.input_size_per_partition), params_dtype, device)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim=1)
+        if bias:
+            self.bias = _param((output_size,), params_dtype, device)
+            self.bias.tensor_model_parallel = False  # replicated on every TP rank
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Redraw the full weight from the default RNG and keep this rank's columns; zero bias."""
+        _init_shard(self.weight, (self.output_size, self.input_size), 1, self.tp_rank,
+                    self.init_method)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # (..., in/tp)
+        partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
+        out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        if self.bias is not None:
+            out = out + self.bias
+        return out, None
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"tp={self.tp_size}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, skip_bias_add={self.skip_bias_add}")
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """``nn.Embedding`` with the vocabulary split over TP ranks.
+
+    ``weight`` holds rows ``r*V/tp:(r+1)*V/tp``. Each rank looks up the ids it owns,
+    writes zeros for the others, and the sum over ranks is the full embedding
+    ``[..., embedding_dim]`` on every rank.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 init_method: InitMethod | None = None,
+                 params_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size,
+                                                   "num_embeddings")
+        self.vocab_start_index, self.vocab_end_index = vocab_range(
+            self.num_embeddings_per_partition, self.tp_rank)
+        self.init_method = init_method if init_method is not None else init_method_normal()
+        self.weight = _param((self.num_embeddings_per_partition, embedding_dim), params_dtype,
+                             device)
+        set_tensor_model_parallel_attributes(self.weight, True, partition_dim=0)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Redraw the full table from the default RNG and keep this rank's rows."""
+        _init_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, self.tp_rank,
+                    self.init_method)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight)  # (..., D)
+        # Zeroing the foreign rows also zeroes their gradient into row 0.
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"tp={self.tp_size}, rows={self.vocab_start_index}:{self.vocab_end_index}")
