@@ -46,8 +46,10 @@ def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     if world == 1:
         return x
     x = x.contiguous()
-    stacked = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)  # (tp, ..., d)
-    _all_gather_single(stacked, x, group=group)
+    # The concatenated output form (every backend takes it), viewed as (tp, ..., d).
+    flat = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(flat, x, group=group)
+    stacked = flat.view(world, *x.shape)
     # (tp, ..., d) -> (..., tp, d) -> (..., tp * d): rank r's block lands at columns r*d.
     return stacked.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
 
