@@ -1,0 +1,182 @@
+"""Collectives over NCCL or gloo behind one interface.
+
+The optimizer never calls ``torch.distributed`` directly: it starts a collective
+here and gets a :class:`Pending` back, which it finishes later. What differs
+between backends lives in this file only:
+
+- CUDA/NCCL: a :class:`CommContext` owns ``pipeline_size`` side streams
+  (round-robin). A collective waits for the compute stream, runs on a side
+  stream, and records an event; finishing makes the compute stream wait for
+  that event. The buffers stay referenced by the :class:`Pending` until then, so
+  the caching allocator cannot hand their memory out while NCCL still uses it
+  (they are freed only after the compute stream has waited for the event).
+- CPU/gloo: gloo has no coalescing manager and no streams; collectives are
+  issued one by one with ``async_op=True`` and waited on the host.
+
+Groups of size 1 (and ``group=None`` without an initialized process group) are
+handled locally without any communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.13 renamed the tensor collectives; older builds (the GPU machine's
+# torch 2.11) only have the original names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _SelfGroup:
+    """The trivial group of one rank (no process group object is needed for it)."""
+
+    def __repr__(self) -> str:
+        return "comm.SELF"
+
+
+SELF = _SelfGroup()
+
+
+def group_size(group) -> int:
+    """World size of ``group`` (1 for :data:`SELF` or without torch.distributed)."""
+    if group is SELF or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if group is SELF or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def reduce_op(average: bool) -> dist.ReduceOp:
+    return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+
+
+@dataclass
+class Pending:
+    """An asynchronous collective in flight: finish with :meth:`wait`."""
+
+    works: list = field(default_factory=list)  # host-side gloo works
+    event: torch.cuda.Event | None = None  # CUDA: recorded on the side stream
+    tensors: tuple = ()  # kept alive while the collective runs
+    then: Callable[[], None] | None = None  # gloo: the next stage, run after the works
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        self.done = True
+        self.tensors = ()
+
+
+DONE = Pending(done=True)
+
+
+class CommContext:
+    """Owns the side streams collectives run on (CUDA), nothing on CPU."""
+
+    def __init__(self, device: torch.device, pipeline_size: int = 2):
+        if pipeline_size < 1:
+            raise ValueError(f"pipeline_size must be at least 1, got {pipeline_size}")
+        self.device = torch.device(device)
+        self.pipeline_size = pipeline_size
+        self.streams: list[torch.cuda.Stream] = []
+        if self.device.type == "cuda":
+            # Side streams for collectives; round-robin so up to pipeline_size
+            # buckets communicate concurrently.
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(pipeline_size)]
+        self._next = itertools.cycle(range(len(self.streams))) if self.streams else None
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self.streams)
+
+    def _stream(self) -> torch.cuda.Stream:
+        stream = self.streams[next(self._next)]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return stream
+
+    def reduce_scatter(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        distributed_group: dist.ProcessGroup | None,
+        redundant_group: dist.ProcessGroup | None,
+        average: bool,
+    ) -> Pending:
+        """``shard`` = this rank's part of ``full`` reduced over the distributed group,
+        then all-reduced over the redundant group (AVG or SUM on both: the result is
+        the mean, or the sum, over distributed × redundant)."""
+        op = reduce_op(average)
+        dist_n, red_n = group_size(distributed_group), group_size(redundant_group)
+
+        def stage1(async_op: bool):
+            if dist_n == 1:
+                shard.copy_(full)
+                return None
+            return _reduce_scatter(shard, full, op=op, group=distributed_group, async_op=async_op)
+
+        def stage2():
+            if red_n > 1:
+                dist.all_reduce(shard, op=op, group=redundant_group)
+
+        if self.is_cuda:
+            stream = self._stream()
+            with torch.cuda.stream(stream):
+                stage1(False)
+                stage2()
+                event = torch.cuda.Event()
+                event.record(stream)
+            return Pending(event=event, tensors=(full, shard))
+        work = stage1(True)
+        return Pending(works=[work] if work is not None else [], tensors=(full, shard),
+                       then=stage2 if red_n > 1 else None)
+
+    def all_gather(self, shard: torch.Tensor, full: torch.Tensor,
+                   group: dist.ProcessGroup | None) -> Pending:
+        """``full`` = concatenation of every rank's ``shard`` (``shard`` may be a view of
+        this rank's slice of ``full``)."""
+        if group_size(group) == 1:
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
+            return DONE
+        if self.is_cuda:
+            stream = self._stream()
+            with torch.cuda.stream(stream):
+                _all_gather(full, shard, group=group)
+                event = torch.cuda.Event()
+                event.record(stream)
+            return Pending(event=event, tensors=(shard, full))
+        work = _all_gather(full, shard, group=group, async_op=True)
+        return Pending(works=[work], tensors=(shard, full))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Blocking (host-ordered) all-reduce in place; a no-op for groups of size 1."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_object(obj, group: dist.ProcessGroup | None) -> list:
+    """Every rank's ``obj`` (a list of one for groups of size 1)."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,208 @@
+"""Per-bucket gradient pipeline: copy-in, reduce-scatter, redundant all-reduce.
+
+Each bucket is a small state machine::
+
+    EMPTY --start_fill--> FILLING --start_sync--> SYNCING --finish_sync--> SYNCED
+      ^                                                                      |
+      +-------------------------------- reset -------------------------------+
+
+(a SYNCED or EMPTY bucket may also start a new fill, or a sync of zeros).
+Gradients are added into the bucket's full-size buffer in the gradient-sync
+dtype; once the bucket syncs only the reduced local shard is kept (it
+accumulates over several syncs until :meth:`GradSync.reset`).
+
+Ordering rule (no deadlocks): buckets launch strictly in index order. A
+complete bucket waits until every bucket before it has launched in the current
+round; :meth:`GradSync.flush` launches the rest in order, with zeros for
+gradients that never arrived. Every rank thus issues the same collectives in
+the same order whatever order autograd produces gradients in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mpzero.comm import CommContext, Pending
+from mpzero.optimizers.layout import BucketLayout, Fragment
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"  # no buffer, nothing arrived since the last reset/sync
+    FILLING = "filling"  # buffer allocated, gradients arriving
+    SYNCING = "syncing"  # collective in flight
+    SYNCED = "synced"  # reduced local shard available
+
+
+class GradBucket:
+    """Gradient state of one bucket."""
+
+    def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device,
+                 dist_rank: int):
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.dist_rank = dist_rank
+        self.state = GradState.EMPTY
+        self.buffer: torch.Tensor | None = None
+        self.arrived: set[int] = set()
+        self.shard: torch.Tensor | None = None  # reduced local shard (accumulated)
+        self.launched_since_reset = False
+        self._pending: Pending | None = None
+        self._incoming: torch.Tensor | None = None
+        self._params = set(layout.params)
+
+    def _assert_state(self, *states: GradState) -> None:
+        if self.state not in states:
+            raise AssertionError(
+                f"bucket {self.layout.index}: expected state in {[s.name for s in states]}, "
+                f"found {self.state.name}"
+            )
+
+    @property
+    def complete(self) -> bool:
+        return self.state is GradState.FILLING and self.arrived >= self._params
+
+    def start_fill(self) -> None:
+        """Allocate a zeroed buffer for a new round of gradients."""
+        self._assert_state(GradState.EMPTY, GradState.SYNCED)
+        self.buffer = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        self.arrived = set()
+        self.state = GradState.FILLING
+
+    def add(self, fragment: Fragment, grad_flat: torch.Tensor) -> None:
+        """Add one fragment of a gradient into the buffer (cast to the sync dtype)."""
+        if self.state is not GradState.FILLING:
+            self.start_fill()
+        view = self.buffer[fragment.bucket_start : fragment.bucket_end]
+        view.add_(grad_flat[fragment.param_start : fragment.param_end].to(self.dtype))
+
+    def mark_arrived(self, param: int) -> None:
+        self.arrived.add(param)
+
+    def start_sync(self, ctx: CommContext, distributed_group, redundant_group,
+                   average: bool) -> None:
+        """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
+        if self.state is not GradState.FILLING:
+            self.start_fill()
+        self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        self._pending = ctx.reduce_scatter(self.buffer, self._incoming, distributed_group,
+                                           redundant_group, average)
+        self.launched_since_reset = True
+        self.state = GradState.SYNCING
+
+    def finish_sync(self) -> None:
+        self._assert_state(GradState.SYNCING)
+        self._pending.wait()
+        if self.shard is None:
+            self.shard = self._incoming
+        else:
+            self.shard.add_(self._incoming)
+        self._pending, self._incoming, self.buffer = None, None, None
+        self.arrived = set()
+        self.state = GradState.SYNCED
+
+    def reset(self) -> None:
+        """Drop every gradient (``zero_grad``)."""
+        if self.state is GradState.SYNCING:
+            self.finish_sync()
+        self.buffer, self.shard, self.arrived = None, None, set()
+        self.launched_since_reset = False
+        self.state = GradState.EMPTY
+
+
+class GradSync:
+    """The gradient pipeline over all buckets of one optimizer."""
+
+    def __init__(self, layouts: Sequence[BucketLayout], dtypes: Sequence[torch.dtype],
+                 device: torch.device, ctx: CommContext,
+                 distributed_group: dist.ProcessGroup | None,
+                 redundant_group: dist.ProcessGroup | None, dist_rank: int, average: bool,
+                 on_first_collective=None):
+        self.buckets = [GradBucket(lay, dt, device, dist_rank) for lay, dt in zip(layouts, dtypes)]
+        self.ctx = ctx
+        self.distributed_group = distributed_group
+        self.redundant_group = redundant_group
+        self.average = average
+        self.fragments: dict[int, list[Fragment]] = {}
+        for lay in layouts:
+            for f in lay.fragments:
+                self.fragments.setdefault(f.param, []).append(f)
+        self._cursor = 0  # next bucket to launch in this round
+        self._in_flight: list[GradBucket] = []
+        self._on_first_collective = on_first_collective
+        self.version = 0  # bumps whenever the synced gradients change
+
+    # -- gradients in --------------------------------------------------------------
+    def add_grad(self, param: int, grad: torch.Tensor) -> None:
+        """Copy (add) one parameter's gradient into its buckets and mark it arrived."""
+        flat = grad.detach().reshape(-1)
+        for f in self.fragments.get(param, ()):
+            bucket = self.buckets[f.bucket]
+            if bucket.state is GradState.SYNCING:
+                self._finish(bucket)  # a new round for a bucket still in flight
+            bucket.add(f, flat)
+            bucket.mark_arrived(param)
+
+    # -- launching -----------------------------------------------------------------
+    def round_active(self) -> bool:
+        return self._cursor > 0 or any(b.state is GradState.FILLING for b in self.buckets)
+
+    def launch_ready(self) -> None:
+        """Launch complete buckets, in order, up to the first incomplete one."""
+        while self._cursor < len(self.buckets) and self.buckets[self._cursor].complete:
+            self._launch(self.buckets[self._cursor])
+            self._cursor += 1
+        if self._cursor == len(self.buckets):
+            self._cursor = 0  # round complete
+
+    def _launch(self, bucket: GradBucket) -> None:
+        if self._on_first_collective is not None:
+            hook, self._on_first_collective = self._on_first_collective, None
+            hook()
+        bucket.start_sync(self.ctx, self.distributed_group, self.redundant_group, self.average)
+        self._in_flight.append(bucket)
+        self.version += 1
+        # Bound the buckets in flight: their full-size buffers are the memory cost.
+        while len(self._in_flight) > self.ctx.pipeline_size:
+            self._finish(self._in_flight[0])
+
+    def _finish(self, bucket: GradBucket) -> None:
+        bucket.finish_sync()
+        self._in_flight.remove(bucket)
+
+    def flush(self) -> None:
+        """Launch every bucket this round still owes (in order) and wait for all.
+
+        In an active round (some bucket launched or filling) every bucket from the
+        cursor on syncs, with zeros for gradients that never arrived. Otherwise only
+        buckets that have not synced since the last reset do (a step with no
+        backward still syncs, so all ranks issue the same collectives)."""
+        if self.round_active():
+            todo = range(self._cursor, len(self.buckets))
+        else:
+            todo = [i for i, b in enumerate(self.buckets) if not b.launched_since_reset]
+        for i in todo:
+            self._launch(self.buckets[i])
+        self._cursor = 0
+        for bucket in list(self._in_flight):
+            self._finish(bucket)
+
+    def reset(self) -> None:
+        for bucket in list(self._in_flight):
+            self._finish(bucket)
+        for bucket in self.buckets:
+            bucket.reset()
+        self._cursor = 0
+        self.version += 1
+
+    def mark_stepped(self) -> None:
+        """After a step the next step needs a fresh sync (gradients persist until reset)."""
+        for bucket in self.buckets:
+            bucket.launched_since_reset = False
+
+    def shards(self) -> list[torch.Tensor | None]:
+        return [b.shard for b in self.buckets]

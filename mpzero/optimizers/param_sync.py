@@ -1,0 +1,133 @@
+"""Per-bucket parameter pipeline: all-gather of updated shards, copy-out, forward prefetch.
+
+States of a bucket's parameters::
+
+    CURRENT --mark_stale--> STALE --start--> GATHERING --finish--> CURRENT
+
+``mark_stale`` hands out the local slice of a full-size buffer (in the
+param-sync dtype) for the step to write its updated shard into; the all-gather
+runs in place over that buffer and :meth:`ParamBucket.finish` copies every
+fragment into its parameter.
+
+Gathers are always *started* in descending bucket order (the forward order of a
+backward-ordered layout), whatever triggered them, so every rank issues the same
+collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mpzero import kernels
+from mpzero.comm import CommContext, Pending
+from mpzero.optimizers.layout import BucketLayout
+
+
+class ParamState(enum.Enum):
+    CURRENT = "current"  # parameters hold the latest values
+    STALE = "stale"  # the shard is updated, the gather has not started
+    GATHERING = "gathering"  # all-gather in flight
+
+
+class ParamBucket:
+    def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device,
+                 dist_rank: int):
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.dist_rank = dist_rank
+        self.state = ParamState.CURRENT
+        self.full: torch.Tensor | None = None
+        self._pending: Pending | None = None
+
+    def _assert_state(self, *states: ParamState) -> None:
+        if self.state not in states:
+            raise AssertionError(
+                f"bucket {self.layout.index}: expected param state in "
+                f"{[s.name for s in states]}, found {self.state.name}"
+            )
+
+    def mark_stale(self) -> torch.Tensor:
+        """Allocate the gather buffer; return this rank's shard slice for the step to fill."""
+        self._assert_state(ParamState.CURRENT)
+        self.full = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        self.state = ParamState.STALE
+        lo, hi = self.layout.shard_range(self.dist_rank)
+        return self.full[lo:hi]
+
+    def start(self, ctx: CommContext, group: dist.ProcessGroup | None) -> None:
+        self._assert_state(ParamState.STALE)
+        lo, hi = self.layout.shard_range(self.dist_rank)
+        self._pending = ctx.all_gather(self.full[lo:hi], self.full, group)
+        self.state = ParamState.GATHERING
+
+    def finish(self, params: Sequence[torch.Tensor]) -> None:
+        self._assert_state(ParamState.GATHERING)
+        self._pending.wait()
+        srcs, dsts = [], []
+        for f in self.layout.fragments:
+            srcs.append(self.full[f.bucket_start : f.bucket_end])
+            dsts.append(params[f.param].detach().view(-1)[f.param_start : f.param_end])
+        with torch.no_grad():
+            kernels.multi_copy(srcs, dsts)
+        self.full, self._pending = None, None
+        self.state = ParamState.CURRENT
+
+
+class ParamSync:
+    """The parameter pipeline over all buckets of one optimizer."""
+
+    def __init__(self, layouts: Sequence[BucketLayout], dtypes: Sequence[torch.dtype],
+                 device: torch.device, ctx: CommContext, group: dist.ProcessGroup | None,
+                 dist_rank: int, params: Sequence[torch.Tensor]):
+        self.buckets = [ParamBucket(lay, dt, device, dist_rank) for lay, dt in zip(layouts, dtypes)]
+        self.ctx = ctx
+        self.group = group
+        self.params = params
+        self.buckets_of_param: dict[int, list[int]] = {}
+        for lay in layouts:
+            for f in lay.fragments:
+                self.buckets_of_param.setdefault(f.param, []).append(lay.index)
+
+    def mark_stale(self, index: int) -> torch.Tensor:
+        return self.buckets[index].mark_stale()
+
+    def pending(self) -> bool:
+        return any(b.state is not ParamState.CURRENT for b in self.buckets)
+
+    def start_through(self, index: int) -> None:
+        """Start the gathers of every stale bucket with index >= ``index``, highest first."""
+        for b in reversed(self.buckets[index:]):
+            if b.state is ParamState.STALE:
+                b.start(self.ctx, self.group)
+
+    def finish(self, index: int) -> None:
+        bucket = self.buckets[index]
+        if bucket.state is ParamState.STALE:
+            self.start_through(index)
+        if bucket.state is ParamState.GATHERING:
+            bucket.finish(self.params)
+
+    def ensure(self, param_indices, prefetch: int = 1) -> None:
+        """Make these parameters current; start the next ``prefetch`` buckets' gathers."""
+        needed = sorted({b for p in param_indices for b in self.buckets_of_param.get(p, ())})
+        if not needed or all(self.buckets[b].state is ParamState.CURRENT for b in needed):
+            return
+        lowest = needed[0]
+        # Forward runs through buckets in descending order: prefetch the next ones down.
+        below = [i for i in range(lowest - 1, -1, -1)
+                 if self.buckets[i].state is ParamState.STALE][:max(0, prefetch)]
+        self.start_through(below[-1] if below else lowest)
+        for b in needed:
+            self.finish(b)
+
+    def sync_all(self) -> None:
+        """Gather every stale bucket and copy out (``param_sync()``)."""
+        self.start_through(0)
+        for i in range(len(self.buckets)):
+            if self.buckets[i].state is ParamState.GATHERING:
+                self.buckets[i].finish(self.params)
