@@ -1,0 +1,94 @@
+"""vocab_parallel_cross_entropy on gloo worlds against F.cross_entropy on the full logits."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpzero import parallel_state as ps
+from mpzero.tensor_parallel import vocab_parallel_cross_entropy
+
+VOCAB = 16
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _data(shift=0.0):
+    gen = torch.Generator().manual_seed(0)
+    logits = 3.0 * torch.randn(2, 5, VOCAB, generator=gen) + shift
+    # The first and last id of each block at tp=4 (so of every block at tp 1, 2, 4).
+    target = torch.tensor([[0, 15, 4, 7, 8], [11, 12, 3, 5, 14]])
+    weights = torch.rand(2, 5, generator=gen)  # a per-token gradient of the loss
+    return logits, target, weights
+
+
+def _ref(logits, target, weights, label_smoothing):
+    full = logits.detach().clone().requires_grad_()
+    loss = F.cross_entropy(full.float().flatten(0, -2), target.flatten(), reduction="none",
+                           label_smoothing=label_smoothing).view(target.shape)
+    loss.backward(weights)
+    return loss.detach(), full.grad
+
+
+def _check_cross_entropy(tp):
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    r, width = ps.get_tensor_model_parallel_rank(), VOCAB // tp
+    cols = slice(r * width, (r + 1) * width)
+    logits, target, weights = _data()
+    # Targets fall in every rank's vocabulary block.
+    assert set((target // width).flatten().tolist()) == set(range(tp))
+    for ls in (0.0, 0.1, 1.0):
+        for dtype, grad_tol in ((torch.float32, FP32), (torch.float64, FP32),
+                                (torch.bfloat16, {"rtol": 1e-2, "atol": 1e-3})):
+            full = logits.to(dtype)
+            ref_loss, ref_grad = _ref(full, target, weights, ls)
+            local = full[..., cols].clone().requires_grad_()
+            loss = vocab_parallel_cross_entropy(local, target, label_smoothing=ls)
+            assert loss.dtype == torch.float32 and loss.shape == target.shape
+            torch.testing.assert_close(loss, ref_loss.float(), **FP32)
+            loss.backward(weights)
+            assert local.grad.dtype == dtype
+            torch.testing.assert_close(local.grad, ref_grad[..., cols], **grad_tol)
+            if tp > 1:
+                other = ref_grad[..., (r + 1) % tp * width:][..., :width]
+                assert not torch.allclose(local.grad, other, **grad_tol)
+    # Label smoothing changes the loss (so the branch above is really exercised).
+    local = logits[..., cols]
+    assert not torch.allclose(vocab_parallel_cross_entropy(local, target, 0.1),
+                              vocab_parallel_cross_entropy(local, target), **FP32)
+
+    # Large logits stay finite (the max is subtracted across the whole vocabulary).
+    big, target, weights = _data(shift=1e4)
+    big[0, 0, 0] += 50.0  # one rank's max differs from the others'
+    ref_loss, ref_grad = _ref(big, target, weights, 0.0)
+    local = big[..., cols].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3)  # 1e4 loses fp32 digits
+    loss.backward(weights)
+    torch.testing.assert_close(local.grad, ref_grad[..., cols], rtol=1e-3, atol=1e-3)
+
+    # 1-D tokens; backward twice through one graph (the saved softmax is not consumed).
+    logits, target, weights = _data()
+    local = logits.view(-1, VOCAB)[:, cols].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target.flatten())
+    loss.backward(weights.flatten(), retain_graph=True)
+    first = local.grad.clone()
+    loss.backward(weights.flatten())
+    torch.testing.assert_close(local.grad, 2 * first, rtol=1e-6, atol=0)
+
+    with pytest.raises(ValueError, match="target shape"):
+        vocab_parallel_cross_entropy(local, target)
+    return True
+
+
+@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (4, 4), (4, 2)])
+def test_matches_full_cross_entropy(world, world_size, tp):
+    assert all(world(world_size, _check_cross_entropy, tp))
+
+
+def test_single_process():
+    if dist.is_initialized():
+        pytest.skip("needs a process without torch.distributed")
+    logits, target, weights = _data()
+    torch.testing.assert_close(vocab_parallel_cross_entropy(logits, target),
+                               _ref(logits, target, weights, 0.0)[0], **FP32)
