@@ -1,0 +1,381 @@
+"""DistributedFusedAdam features on gloo worlds: ordering robustness, precisions, AMP,
+param-sync overlap, layout control, errors."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from dfa_common import ATOL, RTOL, batches, loss_fn, make_model, train_compare
+
+from mpzero.optimizers import DistributedFusedAdam, OptionError
+
+TINY = 24 * 4 / 2**20  # 24 fp32 elements of bucket capacity
+
+
+def _reference(world, data, steps, lr=1e-2, wd=0.0, skip=None, dtype=torch.float32):
+    ref = make_model(dtype=dtype)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
+    for s in range(steps):
+        if skip is not None and s in skip:
+            continue
+        opt.zero_grad()
+        sum(loss_fn(ref, *data[s][r][0]) for r in range(world)).div(world).backward()
+        opt.step()
+    return ref
+
+
+# ---------------------------------------------------------------- ordering / unused
+def _different_grad_order_and_unused():
+    """Rank 1 runs its layers in a different order of backward and leaves a param unused."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model(unused=True)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    data = batches(world, 3, 1)
+    for s in range(3):
+        opt.zero_grad()
+        x, y = data[s][rank][0]
+        loss = loss_fn(model, x, y)
+        if rank == 0:  # only rank 0 touches the unused layer (with zero effect on the loss)
+            loss = loss + 0.0 * model.unused(torch.ones(1, 3)).sum()
+        if rank % 2 == 1:
+            # Different autograd order: backward through a detour that visits the head's
+            # bias first (its grad arrives first), then the rest.
+            loss.backward(inputs=[model.head.bias])
+            rest = [p for n, p in model.named_parameters()
+                    if p is not model.head.bias and not n.startswith("unused")]
+            loss_fn(model, x, y).backward(inputs=rest)
+        else:
+            loss.backward()
+        opt.step()
+    ref = make_model(unused=True)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    for s in range(3):
+        ropt.zero_grad()
+        sum(loss_fn(ref, *data[s][r][0]) for r in range(world)).div(world).backward()
+        ropt.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if n.startswith("unused"):
+            continue
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def test_grad_order_and_unused_params_do_not_deadlock(world):
+    assert all(world(2, _different_grad_order_and_unused, timeout=60))
+
+
+def _frozen_params_untouched():
+    model = make_model()
+    model.fc1.weight.requires_grad_(False)
+    before = model.fc1.weight.detach().clone()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-1, weight_decay=0.1, bucket_cap_mb=TINY)
+    x, y = batches(dist.get_world_size(), 1, 1)[0][dist.get_rank()][0]
+    loss_fn(model, x, y).backward()
+    opt.step()
+    assert torch.equal(model.fc1.weight, before)
+    sd = opt.state_dict()
+    assert 0 not in sd["state"] and 1 in sd["state"]
+    return True
+
+
+def test_frozen_params_untouched(world):
+    assert all(world(2, _frozen_params_untouched))
+
+
+# ---------------------------------------------------------------- precisions
+def _low_precision(case):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kw, tol = {
+        "grad_fp16": (dict(grad_sync_dtype=torch.float16), 5e-3),
+        "grad_bf16": (dict(grad_sync_dtype=torch.bfloat16), 5e-2),
+        "param_bf16": (dict(param_sync_dtype=torch.bfloat16), 5e-2),
+        "param_fp16": (dict(param_sync_dtype=torch.float16), 5e-3),
+        "state_fp16": (dict(dtype=torch.float16), 5e-3),
+        "state_bf16": (dict(dtype=torch.bfloat16), 5e-2),
+    }[case]
+    # lr 1e-3: Adam moves every element by ~lr per step whatever the gradient's size, so
+    # a near-zero gradient that rounds differently in 16 bits costs at most ~lr per step.
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=TINY, **kw)
+    data = batches(world, 3, 1)
+    for s in range(3):
+        opt.zero_grad()
+        loss_fn(model, *data[s][rank][0]).backward()
+        opt.step()
+    ref = _reference(world, data, 3, lr=1e-3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+    return True
+
+
+@pytest.mark.parametrize("case", ["grad_fp16", "grad_bf16", "param_bf16", "param_fp16",
+                                  "state_fp16", "state_bf16"])
+def test_low_precision(world, case):
+    assert all(world(2, _low_precision, case))
+
+
+def _model_dtypes(dtype_name):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = getattr(torch, dtype_name)
+    model = make_model(dtype=dtype)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY,
+                               dtype=torch.float32, grad_sync_dtype=torch.float32,
+                               param_sync_dtype=torch.float32)
+    data = batches(world, 2, 1, dtype=dtype)
+    for s in range(2):
+        opt.zero_grad()
+        loss_fn(model, *data[s][rank][0]).backward()
+        opt.step()
+    ref = _reference(world, data, 2, dtype=dtype)
+    tol = {"float64": 1e-5, "float16": 5e-3, "bfloat16": 5e-2}[dtype_name]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == dtype
+        torch.testing.assert_close(p.float(), q.float(), rtol=tol, atol=tol)
+    return True
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "bfloat16"])
+def test_model_param_dtypes_with_fp32_state(world, dtype_name):
+    assert all(world(2, _model_dtypes, dtype_name))
+
+
+# ---------------------------------------------------------------- AMP / inf
+def _grad_scaler_skips_inf():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    data = batches(world, 3, 1)
+    scales = []
+    for s in range(3):
+        opt.zero_grad()
+        loss = loss_fn(model, *data[s][rank][0])
+        if s == 1 and rank == 1:  # inf on one rank only: every rank must skip
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    ref = _reference(world, data, 3, skip={1})
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    assert opt.state_dict()["state"]["step"] == 2
+    return scales
+
+
+def test_grad_scaler_skips_inf_on_every_rank(world):
+    scales = world(2, _grad_scaler_skips_inf)
+    assert scales[0] == scales[1]
+    assert scales[0][1] == scales[0][0] / 2  # backed off after the inf step
+
+
+def _unscale_then_clip():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    data = batches(world, 2, 1)
+    for s in range(2):
+        opt.zero_grad()
+        scaler.scale(loss_fn(model, *data[s][rank][0])).backward()
+        opt.unscale_grads(grad_scaler=scaler)
+        norm = opt.clip_grad_norm(0.3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+        ropt.zero_grad()
+        sum(loss_fn(ref, *data[s][r][0]) for r in range(world)).div(world).backward()
+        rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3)
+        torch.testing.assert_close(norm, rnorm, rtol=1e-5, atol=1e-6)
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def test_unscale_grads_then_clip(world):
+    assert all(world(2, _unscale_then_clip))
+
+
+def _grad_norm_api():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    data = batches(world, 1, 1)
+    loss_fn(model, *data[0][rank][0]).backward()
+    sum(loss_fn(ref, *data[0][r][0]) for r in range(world)).div(world).backward()
+    n = opt.grad_norm()
+    assert n.dtype == torch.float32 and n.dim() == 0
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    torch.testing.assert_close(n, expected, rtol=1e-5, atol=1e-7)
+    sub = [model.fc2.weight, model.head.bias]
+    sub_ref = torch.linalg.vector_norm(torch.stack([ref.fc2.weight.grad.norm(),
+                                                    ref.head.bias.grad.norm()]))
+    torch.testing.assert_close(opt.grad_norm(sub), sub_ref, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.grad_norm(norm_type=1.0)
+    return True
+
+
+def test_grad_norm(world):
+    assert all(world(2, _grad_norm_api))
+
+
+# ---------------------------------------------------------------- param sync overlap
+def _overlap_param_sync(with_module):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    kw = dict(module=model) if with_module else {}
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY,
+                               overlap_param_sync=True, **kw)
+    data = batches(world, 3, 1)
+    caught = []
+    for s in range(3):
+        opt.zero_grad()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            loss_fn(model, *data[s][rank][0]).backward()
+            opt.step()
+        caught += [str(x.message) for x in w if "overlap_param_sync" in str(x.message)]
+        if with_module and s == 0:
+            # Gathers are deferred: some parameter is still stale until the next forward.
+            assert opt._param_sync.pending()
+    ref = _reference(world, data, 3)
+    # The forward pass through the hooks gathers everything it uses.
+    x = torch.randn(2, 7)
+    torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)
+    opt.param_sync()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return len(caught)
+
+
+@pytest.mark.parametrize("with_module", [True, False])
+def test_overlap_param_sync(world, with_module):
+    warned = world(2, _overlap_param_sync, with_module)
+    assert warned == ([0, 0] if with_module else [1, 1])  # warns once without a module
+
+
+# ---------------------------------------------------------------- layout control
+def _init_params_order():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    opt.init_params([model.head.weight, model.fc1.bias])
+    opt.init_params_bucket([model.norm.weight, model.norm.bias])
+    opt.init_params(model.fc2.weight, grad_sync_dtype=torch.float32)
+    data = batches(world, 2, 1)
+    for s in range(2):
+        opt.zero_grad()
+        loss_fn(model, *data[s][rank][0]).backward()
+        opt.step()
+    lays = opt._layouts
+    first = lays[0].params
+    assert first[0] == 6  # head.weight is parameter 6 and was laid out first
+    norm_buckets = [b for b in lays if 2 in b.params or 3 in b.params]
+    assert all(set(b.params) <= {2, 3} for b in norm_buckets)  # a bucket of their own
+    ref = _reference(world, data, 2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def test_init_params_and_bucket(world):
+    assert all(world(2, _init_params_order))
+
+
+def _scheduler_and_groups():
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1.0, bucket_cap_mb=TINY)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    for _ in range(3):
+        loss_fn(model, torch.randn(2, 7), torch.randn(2, 5)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == [0.5, 0.25, 0.125]
+    assert opt.parameter(0, 0) is model.fc1.weight
+    assert opt.parameters()[1] is model.fc1.bias
+    return True
+
+
+def test_lr_scheduler_and_accessors(world):
+    assert all(world(1, _scheduler_and_groups))
+
+
+# ---------------------------------------------------------------- errors
+def _mismatched_models():
+    model = make_model(unused=dist.get_rank() == 1)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    with pytest.raises(RuntimeError, match="different parameters"):
+        # The check runs before the first collective: here, inside backward.
+        loss_fn(model, torch.randn(2, 7), torch.randn(2, 5)).backward()
+        opt.step()
+    return True
+
+
+def test_mismatched_models_fail_loudly(world):
+    assert all(world(2, _mismatched_models, timeout=60))
+
+
+def _bad_grid():
+    with pytest.raises(ValueError, match=r"process_group size \(2\).*\(2\).*\(2\)"):
+        DistributedFusedAdam(make_model().parameters(), distributed_process_group=dist.group.WORLD,
+                             redundant_process_group=dist.group.WORLD)
+    return True
+
+
+def test_grid_sizes_must_multiply(world):
+    assert all(world(2, _bad_grid))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(amsgrad=True), "amsgrad"),
+    (dict(dtype=torch.int32), "dtype"),
+    (dict(grad_sync_dtype=torch.float64), "grad_sync_dtype"),
+    (dict(store_param_remainders=True), "store_params"),
+    (dict(store_param_remainders=True, store_params=False, param_sync_dtype=torch.float16),
+     "param_sync_dtype"),
+    (dict(with_scaled_states=True), "with_scaled_states"),
+    (dict(with_scaled_states=True, dtype=torch.bfloat16, param_sync_dtype=torch.float32),
+     "param_sync_dtype"),
+    (dict(capturable=True, store_param_remainders=True, store_params=False,
+          param_sync_dtype=torch.bfloat16), "capturable"),
+    (dict(capturable=True, with_scaled_states=True, dtype=torch.bfloat16,
+          param_sync_dtype=torch.bfloat16), "capturable"),
+    (dict(nccl_ub=True), "contiguous_grad_buffer"),
+    (dict(nccl_ub=True, contiguous_grad_buffer=True), "CUDA"),
+    (dict(betas=(0.9, 1.5)), "betas"),
+    (dict(lr=-1.0), "lr"),
+    (dict(pipeline_size=0), "pipeline_size"),
+    (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+    (dict(capturable=True), "capturable"),
+    (dict(contiguous_grad_buffer=True), "contiguous_grad_buffer"),
+    (dict(param_sync_dtype=torch.uint8), "param_sync_dtype"),
+])
+def test_construction_errors(kwargs, match):
+    with pytest.raises(OptionError, match=match):
+        DistributedFusedAdam(make_model().parameters(), **kwargs)
+
+
+def test_param_errors():
+    m = make_model()
+    with pytest.raises(ValueError, match="twice"):
+        DistributedFusedAdam([m.fc1.weight, m.fc1.weight])
+    with pytest.raises(ValueError, match="twice"):
+        DistributedFusedAdam([{"params": [m.fc1.weight]}, {"params": [m.fc1.weight]}])
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="different devices"):
+        DistributedFusedAdam([m.fc1.weight, meta])
+    with pytest.raises(ValueError, match="empty"):
+        DistributedFusedAdam([])
