@@ -225,8 +225,10 @@ def load_sharded(opt, directory: str) -> None:
         raise ValueError(f"{directory}: not a format-{FORMAT} sharded checkpoint")
     opt._ensure_layout()
     opt.param_sync()
-    mine = {pc.param: (pc.param_start, pc.param_end)
-            for lay in opt._layouts for pc in lay.shard_pieces(opt.distributed_rank)}
+    mine: dict[int, list[tuple[int, int]]] = {}
+    for lay in opt._layouts:
+        for pc in lay.shard_pieces(opt.distributed_rank):
+            mine.setdefault(pc.param, []).append((pc.param_start, pc.param_end))
     kept: dict[int, list] = {}
     meta = None
     for fname, size in index["files"].items():
@@ -237,7 +239,7 @@ def load_sharded(opt, directory: str) -> None:
         sd = torch.load(path, map_location="cpu", weights_only=False)
         meta = meta or sd
         for param, start, end, tensors in sd["pieces"]:
-            if param in mine and start < mine[param][1] and end > mine[param][0]:
+            if any(start < hi and end > lo for lo, hi in mine.get(param, ())):
                 kept.setdefault(param, []).append((start, end, tensors))
         del sd
     _load_groups(opt, meta["param_groups"])

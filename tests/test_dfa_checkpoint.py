@@ -1,0 +1,161 @@
+"""Checkpoints: format 2 saved on a 2x2 grid loads on 1, 2 and 4 ranks, other bucket
+sizes and init orders, and training continues identically; sharded save/load."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dfa_common import batches, groups_for, loss_fn, make_model
+
+from mpzero.optimizers import DistributedFusedAdam
+from mpzero.optimizers import checkpoint as ckpt
+
+TINY = 24 * 4 / 2**20
+SAVED_WORLD, STEPS, MORE = 4, 2, 2
+
+
+def _run_steps(model, opt, data, steps, world_now):
+    """Steps over the global batch of SAVED_WORLD ranks, split over world_now ranks."""
+    rank = dist.get_rank()
+    per = SAVED_WORLD // world_now
+    for s in steps:
+        opt.zero_grad()
+        mine = [data[s][rank * per + j][0] for j in range(per)]
+        for j, (x, y) in enumerate(mine):
+            loss = loss_fn(model, x, y) * (world_now / SAVED_WORLD)
+            if j < per - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+
+
+def _make(grid, bucket, reverse_init=False):
+    model = make_model()
+    kw = groups_for(grid)
+    opt = DistributedFusedAdam(
+        [{"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
+         {"params": [p for n, p in model.named_parameters()
+                     if n not in ("fc1.weight", "fc2.weight")], "lr": 5e-3}],
+        lr=1e-2, bucket_cap_mb=bucket, **kw)
+    if reverse_init:
+        opt.init_params(list(model.parameters()))
+    return model, opt
+
+
+def _save(path):
+    model, opt = _make("2x2", TINY)
+    data = batches(SAVED_WORLD, STEPS + MORE, 1)
+    _run_steps(model, opt, data, range(STEPS), SAVED_WORLD)
+    opt.param_groups[1]["lr"] = 4e-3  # changed by the user: must be restored on load
+    sd = opt.state_dict()
+    ckpt.save_sharded(opt, path + "-sharded")
+    if dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optim": sd}, path)
+    dist.barrier()
+    _run_steps(model, opt, data, range(STEPS, STEPS + MORE), SAVED_WORLD)
+    return [p.detach().clone() for p in model.parameters()], sd["state"][0]["exp_avg"]
+
+
+def _resume(path, grid, bucket, reverse_init, sharded):
+    world = dist.get_world_size()
+    saved = torch.load(path, weights_only=False)
+    model, opt = _make(grid, bucket, reverse_init)
+    model.load_state_dict(saved["model"])
+    if sharded:
+        ckpt.load_sharded(opt, path + "-sharded")
+    else:
+        opt.load_state_dict(saved["optim"])
+    assert opt.param_groups[1]["lr"] == 4e-3
+    sd = opt.state_dict()
+    for i, st in saved["optim"]["state"].items():
+        if i == "step":
+            assert sd["state"]["step"] == st
+            continue
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["state"][i][k], st[k]), (i, k)
+    data = batches(SAVED_WORLD, STEPS + MORE, 1)
+    _run_steps(model, opt, data, range(STEPS, STEPS + MORE), world)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from mpzero.testing import run_on_world
+
+    path = str(tmp_path_factory.mktemp("ckpt") / "state.pt")
+    out = run_on_world(SAVED_WORLD, _save, path)
+    return path, out[0][0]
+
+
+@pytest.mark.parametrize("world_size,grid,bucket,reverse_init,sharded", [
+    (1, "flat", TINY, False, False),
+    (2, "flat", 100.0, True, False),
+    (4, "flat", TINY * 3, False, False),
+    (4, "2x2", TINY, True, False),
+    (2, "1x2", TINY, False, True),
+    (4, "flat", 100.0, False, True),
+])
+def test_reshard_and_continue(world, saved, world_size, grid, bucket, reverse_init, sharded):
+    path, expected = saved
+    results = world(world_size, _resume, path, grid, bucket, reverse_init, sharded)
+    for params in results:
+        for p, q in zip(params, expected):
+            # Different world sizes sum the same gradients in another order: fp32 rounding.
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_format_2_layout(saved):
+    path, _ = saved
+    sd = torch.load(path, weights_only=False)["optim"]
+    assert sd["format"] == 2
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3, 4, 5, 6, 7]]
+    g0 = sd["param_groups"][0]
+    assert {"lr", "betas", "eps", "weight_decay", "bias_correction"} <= set(g0)
+    assert sd["state"]["step"] == STEPS and isinstance(sd["state"]["step"], int)
+    model = make_model()
+    for i, p in enumerate([model.fc1.weight, model.fc2.weight]):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            t = sd["state"][i][k]
+            assert t.shape == p.shape and t.dtype == torch.float32 and t.device.type == "cpu"
+    assert sd["state"][0]["exp_avg_sq"].min() >= 0 and sd["state"][0]["exp_avg"].abs().sum() > 0
+
+
+def _bad_load(path):
+    model, opt = _make("flat", TINY)
+    with pytest.raises(ValueError, match="format"):
+        opt.load_state_dict({"format": 1})
+    sd = torch.load(path, weights_only=False)["optim"]
+    sd["param_groups"] = sd["param_groups"][:1]
+    with pytest.raises(ValueError, match="param groups"):
+        opt.load_state_dict(sd)
+    return True
+
+
+def test_bad_state_dicts(world, saved):
+    assert all(world(1, _bad_load, saved[0]))
+
+
+def test_sharded_files_and_truncation(saved, tmp_path):
+    path, _ = saved
+    d = path + "-sharded"
+    names = sorted(os.listdir(d))
+    assert names == ["index.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    # A truncated shard file is detected, not silently loaded.
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    with open(bad / "shard-00001-of-00002.pt", "r+b") as f:
+        f.truncate(100)
+    from mpzero.testing import run_on_world
+
+    with pytest.raises(Exception, match="truncated"):
+        run_on_world(1, _load_sharded_only, str(bad))
+
+
+def _load_sharded_only(d):
+    model, opt = _make("flat", TINY)
+    ckpt.load_sharded(opt, d)
