@@ -38,15 +38,19 @@ class Net(torch.nn.Module):
 
 
 def make_model(seed=1234, **kw) -> Net:
+    """Initialized on the CPU from ``seed``, then moved to the default device."""
     torch.manual_seed(seed)
-    return Net(**kw)
+    with torch.device("cpu"):
+        net = Net(**kw)
+    return net.to(torch.get_default_device())
 
 
 def batches(world, steps, micro, batch=4, din=7, seed=99, dtype=torch.float32):
     """data[step][rank][micro] = (x, y), identical on every rank."""
-    g = torch.Generator().manual_seed(seed)
-    return [[[(torch.randn(batch, din, generator=g).to(dtype),
-               torch.randn(batch, 5, generator=g).to(dtype))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = torch.get_default_device()
+    return [[[(torch.randn(batch, din, generator=g, device="cpu").to(dev, dtype),
+               torch.randn(batch, 5, generator=g, device="cpu").to(dev, dtype))
               for _ in range(micro)] for _ in range(world)] for _ in range(steps)]
 
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, batches, loss_fn, make_model, train_compare
+from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
 from mpzero.optimizers import DistributedFusedAdam, OptionError
 
@@ -146,7 +146,8 @@ def _grad_scaler_skips_inf():
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=2.0**10,
+                                  growth_interval=1)
     data = batches(world, 3, 1)
     scales = []
     for s in range(3):
@@ -179,7 +180,7 @@ def _unscale_then_clip():
     ref = copy.deepcopy(model)
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=256.0)
     data = batches(world, 2, 1)
     for s in range(2):
         opt.zero_grad()

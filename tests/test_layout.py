@@ -51,7 +51,8 @@ def test_random_layouts(seed):
     dsize = rng.choice([1, 2, 3, 4, 8])
     align = rng.choice([8, 16, 32, 64])
     cap = rng.choice([1, 7, 50, 100, 333, 1000])
-    numels = [rng.choice([1, 2, 5, 31, 64, 100, 257, 1000, 3000]) for _ in range(rng.randint(1, 25))]
+    sizes = [1, 2, 5, 31, 64, 100, 257, 1000, 3000]
+    numels = [rng.choice(sizes) for _ in range(rng.randint(1, 25))]
     params = [(i, n, KEY) for i, n in enumerate(numels)]
     buckets = layout_buckets(params, distributed_size=dsize, capacity={KEY: cap},
                              alignment={KEY: align})
@@ -102,7 +103,8 @@ def test_twice_is_an_error():
 
 
 def test_sizes():
-    assert alignment_elements(4) == 32 and alignment_elements(2) == 64 and alignment_elements(8) == 16
+    assert alignment_elements(4) == 32 and alignment_elements(2) == 64
+    assert alignment_elements(8) == 16
     assert bucket_capacity_elements(1.0, 4) == 2**18
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         bucket_capacity_elements(0, 4)
