@@ -1,0 +1,254 @@
+"""Checkpoints of the GPT example: atomic, checksummed, one model shard per TP rank.
+
+Layout of ``--save DIR``::
+
+    DIR/latest                       "iter_0000100"       written last (atomic)
+    DIR/iter_0000100/
+        model_tp00.pt, model_tp01.pt one per TP rank: {"model", "partition_dims", "optimizer"}
+        rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
+        manifest.json                iteration, args, data position, grid, sha256 of each file
+
+The model shards are written by the first data-parallel rank of each TP rank
+(the data-parallel replicas hold the same shard). The optimizer state is
+DistributedFusedAdam's format-2 ``state_dict()``, which every rank of the
+data-parallel group computes together and which is the same on all of them: it
+is stored beside that TP rank's model shard, and loads at any
+distributed x redundant grid. Every file goes to a temporary name in the same
+directory, is fsynced and ``os.replace``d into place; ``manifest.json`` (with
+the checksums) comes after all files, ``latest`` after the manifest. A crash
+mid-save leaves ``latest`` on the previous checkpoint, and a corrupted file is
+refused on load (checksum mismatch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mpzero import parallel_state
+from mpzero import tensor_parallel as tp
+
+FORMAT = "mpzero-gpt-checkpoint-1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _ranks() -> dict[str, int]:
+    """Rank coordinates; a single process without parallel_state is rank 0 of everything."""
+    if parallel_state.model_parallel_is_initialized():
+        return {"rank": dist.get_rank(), "world": dist.get_world_size(),
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+                "dp_rank": parallel_state.get_data_parallel_rank(),
+                "dp_size": parallel_state.get_data_parallel_world_size()}
+    return {"rank": 0, "world": 1, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1}
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def atomic_torch_save(obj, path: Path) -> str:
+    """``torch.save`` to a temp file in the same dir, fsync, rename; returns its sha256."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    digest = sha256_file(tmp)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return digest
+
+
+def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def read_latest(save_dir: str | Path) -> Path | None:
+    """The directory ``latest`` points to, or None when there is no checkpoint."""
+    try:
+        tag = (Path(save_dir) / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return Path(save_dir) / tag
+
+
+def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """State-dict key -> the dim it is split along over TP (None: replicated)."""
+    dims = {}
+    for name, p in model.named_parameters():
+        dims[name] = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+    return dims
+
+
+def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def rng_state() -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tp.get_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):
+        tp.get_rng_tracker().set_states(state["tracker"])
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module, optimizer,
+                    *, data_state: dict | None = None, args: dict | None = None) -> Path:
+    """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir."""
+    r = _ranks()
+    out = iteration_dir(save_dir, iteration)
+    out.mkdir(parents=True, exist_ok=True)
+    if _distributed():
+        dist.barrier()  # the directory exists for everyone (shared file systems lag)
+    optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
+    written: dict[str, str] = {}
+    if r["dp_rank"] == 0:
+        name = f"model_tp{r['tp_rank']:02d}.pt"
+        written[name] = atomic_torch_save(
+            {"model": _cpu_state(model), "partition_dims": partition_dims(model),
+             "optimizer": optim_state, "tp_rank": r["tp_rank"], "tp_size": r["tp_size"]},
+            out / name)
+    name = f"rng_rank{r['rank']:05d}.pt"
+    written[name] = atomic_torch_save(rng_state(), out / name)
+    if _distributed():
+        gathered: list = [None] * r["world"]
+        dist.all_gather_object(gathered, written)
+    else:
+        gathered = [written]
+    if r["rank"] == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        manifest = {"format": FORMAT, "iteration": iteration, "time": time.time(),
+                    "tensor_model_parallel_size": r["tp_size"],
+                    "data_parallel_size": r["dp_size"], "world_size": r["world"],
+                    "data": data_state, "args": args, "files": files}
+        atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
+        atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
+    if _distributed():
+        dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def read_manifest(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{ckpt_dir} has no manifest.json: the save did not finish") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
+    """``torch.load`` one file of the checkpoint after checking its sha256."""
+    path = Path(ckpt_dir) / name
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"{name} is not listed in {ckpt_dir}/manifest.json")
+    if not path.exists():
+        raise CheckpointError(f"{path} is missing")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CheckpointError(f"checksum mismatch for {path}: manifest says {expected[:12]}..., "
+                              f"file has {actual[:12]}... (corrupted or partially written)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def resolve_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path | None:
+    """The checkpoint dir of ``iteration``, or the latest one (None when there is none)."""
+    if iteration is not None:
+        return iteration_dir(load_dir, iteration)
+    return read_latest(load_dir)
+
+
+def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None,
+                    *, iteration: int | None = None, load_rng: bool = True) -> dict | None:
+    """Load model (this TP rank's shard), optimizer and RNG; returns the manifest.
+
+    Returns None when ``load_dir`` holds no checkpoint. Every rank must call it
+    (loading DistributedFusedAdam's state is collective)."""
+    ckpt = resolve_checkpoint(load_dir, iteration)
+    if ckpt is None:
+        return None
+    manifest = read_manifest(ckpt)
+    r = _ranks()
+    if manifest["tensor_model_parallel_size"] != r["tp_size"]:
+        raise CheckpointError(
+            f"{ckpt} was saved with tensor_model_parallel_size="
+            f"{manifest['tensor_model_parallel_size']}, this run has {r['tp_size']} (merge "
+            "the shards with merge_tensor_parallel_shards to change it)")
+    shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
+    model.load_state_dict(shard["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(shard["optimizer"])
+    rng_name = f"rng_rank{r['rank']:05d}.pt"
+    if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
+        set_rng_state(verified_load(ckpt, rng_name, manifest))
+    return manifest
+
+
+def merge_tensor_parallel_shards(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full (TP=1) model state dict of a checkpoint, every file verified."""
+    manifest = read_manifest(ckpt_dir)
+    shards = [verified_load(ckpt_dir, f"model_tp{t:02d}.pt", manifest)
+              for t in range(manifest["tensor_model_parallel_size"])]
+    dims = shards[0]["partition_dims"]
+    full = {}
+    for key, value in shards[0]["model"].items():
+        dim = dims.get(key)
+        full[key] = value if dim is None else torch.cat([s["model"][key] for s in shards], dim)
+    return full

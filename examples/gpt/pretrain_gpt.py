@@ -1,0 +1,434 @@
+"""Pretrain the GPT example with tensor parallelism x ZeRO-2 data parallelism.
+
+One process per GPU (or per CPU rank with ``--cpu``, gloo)::
+
+    torchrun --nproc-per-node 2 examples/gpt/pretrain_gpt.py --cpu \\
+        --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \\
+        --micro-batch-size 8 --global-batch-size 16 --train-iters 300 \\
+        --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --log-file run.jsonl
+
+    torchrun --nproc-per-node 8 examples/gpt/pretrain_gpt.py --bf16 \\
+        --tensor-model-parallel-size 2 --distributed-optimizer-size 4 --overlap-param-sync ...
+
+The world is ``tp x dp`` ranks (``mpzero.parallel_state``); the data-parallel
+group is split into the optimizer's distributed x redundant grid
+(``--distributed-optimizer-size``). Each iteration consumes one global batch:
+``global = micro x dp x grad_acc`` sequences, the same sequences whatever the
+layout (see data.py), with ``optimizer.no_sync()`` for all micro-batches but the
+last. See README.md beside this file for the flags and the log format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import checkpointing  # noqa: E402
+import data  # noqa: E402
+from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
+from optim import build_optimizer  # noqa: E402
+
+from mpzero import parallel_state  # noqa: E402
+from mpzero import tensor_parallel as tp  # noqa: E402
+
+# Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+             "seq_length", "padded_vocab_size")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-2 DP (mpzero)")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per iteration (default micro x dp: no accumulation)")
+    g.add_argument("--train-iters", type=int, default=1000)
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--min-lr", type=float, default=6e-5)
+    g.add_argument("--lr-warmup-iters", type=int, default=100)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max grad norm; 0 = off")
+    g = p.add_argument_group("parallelism and optimizer")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--distributed-optimizer-size", type=int, default=None,
+                   help="ranks one optimizer shard is spread over (default: the whole DP group)")
+    g.add_argument("--distribute-within-nodes", action="store_true",
+                   help="shard the optimizer over the DP ranks of each node")
+    g.add_argument("--overlap-grad-sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="reduce-scatter gradient buckets during backward (default on)")
+    g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
+                   default=False, help="all-gather parameters in the next forward pass")
+    g.add_argument("--bucket-cap-mb", type=float, default=100.0)
+    g.add_argument("--optimizer", choices=["dfa", "adamw"], default="dfa",
+                   help="dfa: DistributedFusedAdam (ZeRO-2); adamw: torch AdamW + all-reduce")
+    g = p.add_argument_group("precision and device")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU; fp32 on CPU)")
+    g.add_argument("--grad-sync-dtype", choices=["fp32", "bf16"], default="fp32")
+    g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU rank")
+    g.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", default=None,
+                   help="prepared data (data.py); prepared from the default corpus if empty")
+    g.add_argument("--vocab-size", type=int, default=4096,
+                   help="BPE vocabulary when preparing the default corpus")
+    g.add_argument("--data-max-mb", type=float, default=4.0,
+                   help="MiB of the default corpus when preparing it")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--load-iteration", type=int, default=None, help="default: latest")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving) at iterations divisible by this")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100, help="0 = only at the end")
+    g.add_argument("--eval-iters", type=int, default=10, help="global batches per evaluation")
+    g.add_argument("--log-file", default=None, help="JSONL log (rank 0 appends)")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for MFU (default: known GPUs in bf16)")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def initialize(args) -> torch.device:
+    """Process group (torchrun's env, or a world of one), parallel_state, seeds, threads."""
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not args.cpu and not torch.cuda.is_available():
+        warnings.warn("no CUDA device: running on CPU with gloo (pass --cpu to silence this)",
+                      stacklevel=2)
+        args.cpu = True
+    if args.cpu:
+        device = torch.device("cpu")
+        local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // local_ws))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
+    else:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device,
+                                timeout=datetime.timedelta(seconds=args.dist_timeout))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        distributed_optimizer_size=args.distributed_optimizer_size,
+        distribute_within_nodes=args.distribute_within_nodes)
+    # Same default RNG on every rank (identical replicas); per-TP-rank tracked RNG for dropout.
+    tp.model_parallel_manual_seed(args.seed)
+    return device
+
+
+def prepare_data(args) -> Path:
+    """The data directory, prepared (by global rank 0) from the default corpus if needed."""
+    cfg = data.CorpusConfig(vocab_size=args.vocab_size, max_mb=args.data_max_mb)
+    data_dir = Path(args.data_dir) if args.data_dir else data.default_data_dir(cfg)
+    ready = data.is_prepared(data_dir) if args.data_dir else data.is_prepared(data_dir, cfg)
+    if not ready and dist.get_rank() == 0:
+        data.prepare(cfg, data_dir)
+    dist.barrier()
+    return data_dir
+
+
+def lr_at(iteration: int, args) -> float:
+    """Linear warmup to --lr over --lr-warmup-iters, then cosine decay to --min-lr."""
+    if args.lr_warmup_iters > 0 and iteration <= args.lr_warmup_iters:
+        return args.lr * iteration / args.lr_warmup_iters
+    decay_iters = args.lr_decay_iters or args.train_iters
+    span = max(1, decay_iters - args.lr_warmup_iters)
+    progress = min(1.0, (iteration - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
+
+
+def peak_tflops(args, device: torch.device) -> float | None:
+    if args.peak_tflops is not None:
+        return args.peak_tflops
+    if device.type != "cuda" or not args.bf16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def memory_gib(device: torch.device) -> float:
+    """Max allocated on CUDA; resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class JsonlLog:
+    """Rank 0 appends one JSON object per line (and flushes, so a crash keeps it)."""
+
+    def __init__(self, path: str | None, enabled: bool) -> None:
+        self.f = None
+        if path and enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "a")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, record: dict) -> None:
+        if self.f is not None:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+def micro_batches(tokens, starts: np.ndarray, args, device):
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    local = data.dp_slice(starts, dp_rank, dp_size)
+    for i in range(0, len(local), args.micro_batch_size):
+        yield data.get_batch(tokens, local[i:i + args.micro_batch_size], args.seq_length, device)
+
+
+def train_step(model, optimizer, tokens, starts, args, device, autocast) -> tuple:
+    """One global batch: forward/backward per micro-batch, clip, step. Local mean loss."""
+    optimizer.zero_grad()
+    batches = list(micro_batches(tokens, starts, args, device))
+    losses = []
+    for m, (x, y) in enumerate(batches):
+        sync = m == len(batches) - 1
+        with (contextlib.nullcontext() if sync else optimizer.no_sync()):
+            with autocast():
+                loss = model(x, y)
+            (loss / len(batches)).backward()
+        losses.append(loss.detach().float())
+    if args.clip_grad > 0:
+        grad_norm = optimizer.clip_grad_norm(args.clip_grad)
+    else:
+        grad_norm = optimizer.grad_norm()
+    optimizer.step()
+    return torch.stack(losses).mean(), grad_norm.detach().float()
+
+
+@torch.no_grad()
+def evaluate(model, val_tokens, args, device, autocast) -> float:
+    """Mean loss over --eval-iters fixed global batches of the validation split."""
+    model.eval()
+    starts = data.eval_starts(len(val_tokens), args.seq_length,
+                              args.eval_iters * args.global_batch_size)
+    losses = []
+    for batch in starts.reshape(args.eval_iters, args.global_batch_size):
+        for x, y in micro_batches(val_tokens, batch, args, device):
+            with autocast():
+                losses.append(model(x, y).float())
+    model.train()
+    loss = torch.stack(losses).mean().to(device)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=parallel_state.get_data_parallel_group())
+    return float(loss)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = initialize(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                         f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
+                         f"{dp})")
+    grad_acc = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.bf16 and device.type == "cpu" and rank == 0:
+        print("note: --bf16 autocast is for GPUs; computing in fp32 on CPU")
+    use_bf16 = args.bf16 and device.type == "cuda"
+
+    def autocast():
+        if use_bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    data_dir = prepare_data(args)
+    meta = data.read_meta(data_dir)
+    args.padded_vocab_size = padded_vocab_size(meta["vocab_size"],
+                                               args.tensor_model_parallel_size,
+                                               args.make_vocab_size_divisible_by)
+    cfg = GPTConfig(vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+                    num_layers=args.num_layers, hidden_size=args.hidden_size,
+                    num_attention_heads=args.num_attention_heads,
+                    ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout)
+    args.ffn_hidden_size = cfg.ffn_hidden_size
+    model = GPT(cfg).to(device)
+    optimizer = build_optimizer(
+        args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay,
+        betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, device=device,
+        overlap_grad_sync=args.overlap_grad_sync, overlap_param_sync=args.overlap_param_sync,
+        bucket_cap_mb=args.bucket_cap_mb,
+        grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None)
+    train_tokens = data.load_tokens(data_dir, "train")
+    val_tokens = data.load_tokens(data_dir, "val")
+    sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
+                                      args.global_batch_size, args.seed)
+
+    iteration = 0
+    if args.load:
+        manifest = checkpointing.load_checkpoint(
+            args.load, model, None if args.no_load_optim else optimizer,
+            iteration=args.load_iteration, load_rng=not args.no_load_rng)
+        if manifest is None:
+            if rank == 0:
+                print(f"no checkpoint in {args.load}: starting from scratch")
+        else:
+            saved = manifest.get("args") or {}
+            for key in ARCH_ARGS:
+                if key in saved and saved[key] != getattr(args, key):
+                    raise checkpointing.CheckpointError(
+                        f"checkpoint has {key}={saved[key]}, this run has {getattr(args, key)}")
+            iteration = manifest["iteration"]
+            if manifest.get("data"):
+                sampler.load_state_dict(manifest["data"])
+            if rank == 0:
+                print(f"resumed from {args.load} at iteration {iteration}")
+
+    flops_tok = flops_per_token(cfg)
+    peak = peak_tflops(args, device)
+    if rank == 0:
+        print(f"GPT: {model.num_parameters() / 1e6:.2f}M parameters, vocab "
+              f"{meta['vocab_size']} (padded {cfg.vocab_size}), world {world} = tp "
+              f"{args.tensor_model_parallel_size} x dp {dp}; optimizer {args.optimizer} over "
+              f"distributed {parallel_state.get_distributed_optimizer_world_size()} x redundant "
+              f"{parallel_state.get_redundant_optimizer_world_size()}; global batch "
+              f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
+              f"{grad_acc}; {device.type}{' bf16' if use_bf16 else ' fp32'}", flush=True)
+
+    log = JsonlLog(args.log_file, rank == 0)
+    dp_group = parallel_state.get_data_parallel_group()
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.train_iters, initial=iteration, disable=rank != 0 or args.no_progress,
+               dynamic_ncols=True, mininterval=1.0, desc="train")
+    interval_losses, interval_norms = [], []
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    t_interval, iters_interval = time.perf_counter(), 0
+
+    def save(it: int) -> None:
+        checkpointing.save_checkpoint(args.save, it, model, optimizer,
+                                      data_state=sampler.state_dict(), args=vars(args))
+
+    def run_eval(it: int) -> None:
+        val = evaluate(model, val_tokens, args, device, autocast)
+        log.write({"kind": "eval", "iteration": it, "val_loss": val})
+        if rank == 0:
+            bar.write(f"iter {it:6d} | validation loss {val:.4f}")
+
+    while iteration < args.train_iters:
+        iteration += 1
+        lr = lr_at(iteration, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss, norm = train_step(model, optimizer, train_tokens, sampler.next_batch(), args,
+                                device, autocast)
+        interval_losses.append(loss)
+        interval_norms.append(norm)
+        iters_interval += 1
+        bar.update(1)
+
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            losses = torch.stack(interval_losses).to(device)
+            dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=dp_group)
+            mem = torch.tensor([memory_gib(device)], device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - t_interval
+            tok_s = tokens_per_iter * iters_interval / elapsed
+            tflops = flops_tok * tok_s / world / 1e12
+            record = {"kind": "train", "iteration": iteration,
+                      "loss": float(losses.mean()), "lr": lr,
+                      "grad_norm": float(torch.stack(interval_norms).mean()),
+                      "tokens_per_s": tok_s, "iter_time_s": elapsed / iters_interval,
+                      "tflops_per_device": tflops,
+                      "mfu": None if peak is None else tflops / peak,
+                      "memory_gib": float(mem), "memory_kind":
+                          "cuda_max_allocated" if device.type == "cuda" else "cpu_rss",
+                      "consumed_samples": iteration * args.global_batch_size}
+            log.write(record)
+            if rank == 0:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+                if args.no_progress or not sys.stderr.isatty():
+                    print(f"iter {iteration:6d} | loss {record['loss']:.4f} | lr {lr:.3e} | "
+                          f"grad norm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
+                          f"{tflops:.3f} TFLOP/s/dev | mem {record['memory_gib']:.2f} GiB",
+                          flush=True)
+            interval_losses, interval_norms = [], []
+            t_interval, iters_interval = None, 0
+
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            run_eval(iteration)
+        saved = False
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(iteration)
+            saved = True
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            if args.save and not saved:
+                save(iteration)
+            if rank == 0:
+                bar.write(f"exiting at iteration {iteration} (--exit-interval)")
+            break
+        if t_interval is None:  # restart the clock after logging, eval and saving
+            t_interval = time.perf_counter()
+    else:
+        if not (args.eval_interval and iteration % args.eval_interval == 0):
+            run_eval(iteration)
+        if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+            save(iteration)
+    bar.close()
+    log.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
