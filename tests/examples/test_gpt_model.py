@@ -1,0 +1,154 @@
+"""The GPT example's model: TP=2 equals TP=1 (loss, logits, every gradient), and helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
+
+from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
+
+from mpzero import parallel_state as ps  # noqa: E402
+
+CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
+
+
+def _batch(cfg: GPTConfig, batch: int = 3):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(cfg.vocab_size, (batch, cfg.seq_length), generator=g)
+    targets = torch.randint(cfg.vocab_size, (batch, cfg.seq_length), generator=g)
+    return ids, targets
+
+
+def _run(model: GPT, ids, targets):
+    logits = model(ids)  # (B, T, V/tp)
+    loss = model(ids, targets)
+    loss.backward()
+    return loss.detach(), logits.detach()
+
+
+def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _tp_vs_single(dtype_name: str, tp_size: int) -> dict:
+    """On every rank: the TP=1 model, then the TP=`tp_size` one from the same seed."""
+    dtype = getattr(torch, dtype_name)
+    cfg = GPTConfig(**CFG)
+    ids, targets = _batch(cfg)
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    torch.manual_seed(1234)
+    ref = GPT(cfg).to(dtype)
+    ref_loss, ref_logits = _run(ref, ids, targets)
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ps.destroy_model_parallel()
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    group = ps.get_tensor_model_parallel_group()
+    torch.manual_seed(1234)
+    model = GPT(cfg).to(dtype)
+    loss, logits = _run(model, ids, targets)
+    out = {"loss": (float(loss), float(ref_loss)),
+           "logits": float((_gather(logits, -1, group) - ref_logits).norm() / ref_logits.norm()),
+           "param": {}, "grad": {}, "sharded": []}
+    for name, p in model.named_parameters():
+        full_p, full_g = p.detach(), p.grad
+        if getattr(p, "tensor_model_parallel", False):
+            out["sharded"].append(name)
+            full_p = _gather(full_p, p.partition_dim, group)
+            full_g = _gather(full_g, p.partition_dim, group)
+        out["param"][name] = float((full_p - ref_params[name]).abs().max())
+        denom = ref_grads[name].norm().clamp_min(1e-30)
+        out["grad"][name] = float((full_g - ref_grads[name]).norm() / denom)
+    return out
+
+
+# vocab_parallel_cross_entropy does its math in fp32 whatever the logits' dtype, so
+# even the fp64 model agrees only to ~1e-9 (relative to each gradient's norm).
+@pytest.mark.parametrize("dtype_name,tol", [("float64", 1e-7), ("float32", 1e-5)])
+def test_tp2_equals_tp1(world, dtype_name, tol):
+    results = world(2, _tp_vs_single, dtype_name, 2)
+    for rank, r in enumerate(results):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= tol * abs(ref), (rank, loss, ref)
+        assert r["logits"] <= tol, (rank, r["logits"])
+        # Shards are slices of the same full initialization: bit-identical weights.
+        assert max(r["param"].values()) == 0.0, (rank, r["param"])
+        bad = {n: e for n, e in r["grad"].items() if not e <= tol}
+        assert not bad, (rank, bad)
+        # The split really happened: heads, MLP features and the vocabulary are sharded.
+        assert {"wte.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight",
+                "blocks.1.mlp.fc.weight", "blocks.1.mlp.proj.weight"} <= set(r["sharded"])
+        assert "wpe.weight" not in r["sharded"] and "ln_f.weight" not in r["sharded"]
+
+
+def test_single_process_model_trains_and_is_causal():
+    cfg = GPTConfig(**CFG)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ids, targets = _batch(cfg)
+    with torch.no_grad():
+        logits = model(ids)
+        changed = ids.clone()
+        changed[:, 10:] = (changed[:, 10:] + 1) % cfg.vocab_size
+        logits2 = model(changed)
+    assert logits.shape == (3, cfg.seq_length, cfg.vocab_size)
+    torch.testing.assert_close(logits[:, :10], logits2[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(logits[:, 10:], logits2[:, 10:])
+    # Initial loss is close to uniform over the vocabulary.
+    with torch.no_grad():
+        assert abs(float(model(ids, targets)) - torch.log(torch.tensor(256.0)).item()) < 0.1
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-3)
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        first = first if first is not None else loss.item()
+    assert loss.item() < 0.5 * first
+
+
+def test_param_groups_exclude_bias_norm_and_embeddings():
+    model = GPT(GPTConfig(**CFG))
+    decay, no_decay = model.param_groups(0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert decay_names.isdisjoint(no_decay_names)
+    assert decay_names | no_decay_names == set(names.values())
+    for n in no_decay_names:
+        assert n.endswith(".bias") or ".ln_" in n or n.startswith(("ln_f", "wte", "wpe")), n
+    assert decay_names == {f"blocks.{i}.{m}.weight" for i in range(2)
+                           for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    assert "blocks.0.ln_1.weight" in no_decay_names and "blocks.0.attn.qkv.bias" in no_decay_names
+
+
+def test_parameter_count_and_flops():
+    cfg = GPTConfig(**CFG)
+    model = GPT(cfg)
+    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    h, L, s, V = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.vocab_size
+    matmul_params = L * (12 * h * h) + V * h  # QKV + proj + 2 MLP matrices, tied head
+    assert flops_per_token(cfg) == 6 * matmul_params + 12 * L * s * h
+
+
+def test_padded_vocab_is_the_same_for_every_tp_size():
+    assert {padded_vocab_size(257, tp) for tp in (1, 2, 4, 8)} == {384}
+    assert padded_vocab_size(4096, 2) == 4096
+    assert padded_vocab_size(100, 3) % 3 == 0
+
+
+def test_heads_must_divide_over_tp():
+    with pytest.raises(ValueError, match="hidden_size"):
+        GPTConfig(hidden_size=30, num_attention_heads=4)
