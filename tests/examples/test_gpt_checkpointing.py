@@ -1,0 +1,94 @@
+"""The GPT example's checkpoints in one process: round trip, atomic pointer, checksums."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
+
+import checkpointing  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+CFG = dict(vocab_size=128, seq_length=8, num_layers=1, hidden_size=16, num_attention_heads=2)
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**CFG))
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
+    ids = torch.randint(128, (2, 8))
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids, ids).backward()
+        opt.step()
+    return model, opt
+
+
+def test_round_trip_restores_model_optimizer_and_rng(tmp_path):
+    model, opt = _trained(0)
+    torch.manual_seed(99)
+    out = checkpointing.save_checkpoint(tmp_path, 7, model, opt, data_state={"epoch": 1},
+                                        args={"lr": 1e-2})
+    expected_rng = torch.rand(3)
+    assert out == tmp_path / "iter_0000007"
+    assert (tmp_path / "latest").read_text() == "iter_0000007"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"model_tp00.pt", "rng_rank00000.pt"}
+    assert manifest["iteration"] == 7 and manifest["data"] == {"epoch": 1}
+
+    fresh, fresh_opt = _trained(1)
+    loaded = checkpointing.load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert loaded["iteration"] == 7
+    for (n, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+    assert torch.equal(torch.rand(3), expected_rng)  # RNG continues where the save was
+
+    merged = checkpointing.merge_tensor_parallel_shards(out)
+    assert merged.keys() == model.state_dict().keys()
+
+
+def test_latest_moves_only_after_a_complete_save(tmp_path):
+    model, opt = _trained(0)
+    checkpointing.save_checkpoint(tmp_path, 1, model, opt)
+    # A save that died before its manifest: latest still points to the previous one.
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "iter_0000002" / "model_tp00.pt").write_bytes(b"partial")
+    assert checkpointing.read_latest(tmp_path).name == "iter_0000001"
+    assert checkpointing.load_checkpoint(tmp_path, model, opt)["iteration"] == 1
+    with pytest.raises(checkpointing.CheckpointError, match="no manifest"):
+        checkpointing.load_checkpoint(tmp_path, model, opt, iteration=2)
+    assert checkpointing.load_checkpoint(tmp_path / "nothing", model, opt) is None
+    assert not list(tmp_path.glob("**/.*tmp*"))  # no temporary files left behind
+
+
+def test_corrupted_file_is_refused(tmp_path):
+    model, opt = _trained(0)
+    out = checkpointing.save_checkpoint(tmp_path, 3, model, opt)
+    path = out / "model_tp00.pt"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(checkpointing.CheckpointError, match="checksum mismatch"):
+        checkpointing.load_checkpoint(tmp_path, model, opt)
+    for k, v in model.state_dict().items():  # nothing was half-loaded
+        assert torch.equal(v, before[k])
+
+
+def test_tp_size_mismatch_is_an_error(tmp_path):
+    model, opt = _trained(0)
+    out = checkpointing.save_checkpoint(tmp_path, 1, model, opt)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tensor_model_parallel_size"] = 2
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(checkpointing.CheckpointError, match="tensor_model_parallel_size=2"):
+        checkpointing.load_checkpoint(tmp_path, model, opt)
