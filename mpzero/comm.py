@@ -55,6 +55,10 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+_GATHER_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
+                  torch.int8, torch.int32, torch.int64)
+
+
 def reduce_op(average: bool) -> dist.ReduceOp:
     return dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
 
@@ -153,6 +157,9 @@ class CommContext:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return DONE
+        if shard.dtype not in _GATHER_DTYPES:
+            # Neither NCCL nor gloo moves int16: an all-gather only moves bytes.
+            shard, full = shard.view(torch.uint8), full.view(torch.uint8)
         if self.is_cuda:
             stream = self._stream()
             with torch.cuda.stream(stream):

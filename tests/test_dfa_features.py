@@ -361,8 +361,6 @@ def test_grid_sizes_must_multiply(world):
     (dict(pipeline_size=0), "pipeline_size"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb"),
     (dict(capturable=True), "capturable"),
-    (dict(contiguous_grad_buffer=True), "contiguous_grad_buffer"),
-    (dict(param_sync_dtype=torch.uint8), "param_sync_dtype"),
 ])
 def test_construction_errors(kwargs, match):
     with pytest.raises(OptionError, match=match):

@@ -48,12 +48,20 @@ def _group_meta(opt) -> list[dict]:
 
 def _shard_tensors(opt, b: int) -> dict[str, torch.Tensor]:
     """This rank's shard of bucket ``b`` for each state key (the master in its dtype)."""
+    st = opt._shards[b]
+    return {"param": opt._master_shard(b), "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+
+
+def _load_targets(opt, b: int) -> dict[str, torch.Tensor]:
+    """Where loading writes bucket ``b``'s shard; the master goes through a temporary that
+    :func:`_commit_targets` hands to the optimizer (it may be stored as remainders)."""
     st, lay = opt._shards[b], opt._layouts[b]
-    master = st.master
-    if master is None:
-        master = torch.zeros(lay.shard_size, dtype=lay.key[0], device=opt.device)
-        opt._copy_params_into(master, lay.shard_pieces(opt.distributed_rank))
-    return {"param": master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+    return {"param": torch.zeros(lay.shard_size, dtype=torch.float32, device=opt.device),
+            "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+
+
+def _commit_targets(opt, b: int, targets: dict) -> None:
+    opt._store_master_shard(b, targets["param"])
 
 
 def gather_state_dict(opt) -> dict:
@@ -69,9 +77,6 @@ def gather_state_dict(opt) -> dict:
             for f in lay.fragments:
                 state[f.param][key].view(-1)[f.param_start:f.param_end] = (
                     full[f.bucket_start:f.bucket_end])
-    if not opt.store_params:
-        for i in state:  # the parameter itself is the master
-            state[i]["param"] = opt._params[i].detach().float().cpu().clone()
     state["step"] = opt._steps
     return {"format": FORMAT, "param_groups": _group_meta(opt), "state": state}
 
@@ -107,14 +112,12 @@ def load_state_dict(opt, sd: dict) -> None:
                     f"parameter {i} has {opt._params[i].numel()}")
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
-            st = opt._shards[b]
-            targets = {"param": st.master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+            targets = _load_targets(opt, b)
             for piece in lay.shard_pieces(opt.distributed_rank):
                 for k, dst in targets.items():
-                    if dst is None:
-                        continue
                     src = state[piece.param][k].reshape(-1)[piece.param_start:piece.param_end]
                     dst[piece.shard_start:piece.shard_end].copy_(src)
+            _commit_targets(opt, b, targets)
     step = state["step"]
     opt._steps = int(step.item() if isinstance(step, torch.Tensor) else step)
 
@@ -152,8 +155,7 @@ def _fill_from_pieces(opt, pieces_of) -> None:
     covered = {}
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
-            st = opt._shards[b]
-            targets = {"param": st.master, "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+            targets = _load_targets(opt, b)
             for pc in lay.shard_pieces(opt.distributed_rank):
                 for start, end, tensors in pieces_of(pc.param):
                     lo, hi = max(start, pc.param_start), min(end, pc.param_end)
@@ -161,11 +163,10 @@ def _fill_from_pieces(opt, pieces_of) -> None:
                         continue
                     covered[pc.param] = covered.get(pc.param, 0) + hi - lo
                     for k, dst in targets.items():
-                        if dst is None:
-                            continue
                         src = tensors[k][lo - start:hi - start]
                         s0 = pc.shard_start + lo - pc.param_start
                         dst[s0:s0 + hi - lo].copy_(src)
+            _commit_targets(opt, b, targets)
     for lay in opt._layouts:
         for pc in lay.shard_pieces(opt.distributed_rank):
             covered[pc.param] = covered.get(pc.param, 0) - pc.numel

@@ -36,8 +36,14 @@ from mpzero.optimizers.layout import (
     merge_pieces,
     utilization,
 )
-from mpzero.optimizers.options import OptionError, check_options, check_sync_dtypes
+from mpzero.optimizers.options import (
+    OptionError,
+    check_options,
+    check_sync_dtypes,
+    is_byte_dtype,
+)
 from mpzero.optimizers.param_sync import ParamSync
+from mpzero.optimizers.precision import copy_high_bytes, merge_remainder, split_remainder
 
 UTILIZATION_WARNING = 0.7
 
@@ -47,6 +53,7 @@ class ShardState:
     """Optimizer state of one bucket's local shard."""
 
     master: torch.Tensor | None  # None with store_params=False (the parameter is the master)
+    remainder: torch.Tensor | None  # int16 low halves with store_param_remainders
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     group_ranges: list  # (start, end, param group index) covering the shard's fragments
@@ -131,6 +138,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.pipeline_size = pipeline_size
         self.store_params = store_params
+        self.store_param_remainders = store_param_remainders
+        self.contiguous_grad_buffer = contiguous_grad_buffer
+        self.contiguous_param_buffer = contiguous_param_buffer
         self.model_parallel_group = model_parallel_group
         # Decides whether gradients are copied into buckets as soon as they are ready;
         # no_sync() turns it off (unless asked) so they accumulate in param.grad.
@@ -179,12 +189,28 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         key = check_sync_dtypes(dtype or self.dtype,
                                 grad_sync_dtype or (None if dtype else self.grad_sync_dtype),
                                 param_sync_dtype or (None if dtype else self.param_sync_dtype))
+        self._register_key(key)
+        return key
+
+    def _register_key(self, key: tuple) -> None:
         builder = self._layout_builder()
         if key not in builder.capacity:
             itemsize = torch.empty((), dtype=key[1]).element_size()
             builder.capacity[key] = bucket_capacity_elements(self.bucket_cap_mb, itemsize)
             builder.alignment[key] = alignment_elements(itemsize)
-        return key
+
+    def _param_key(self, p: torch.Tensor, key: tuple) -> tuple:
+        """Byte-level sync gathers the top bytes of values in the parameter's own dtype, so
+        such buckets are also keyed by that dtype."""
+        if not is_byte_dtype(key[2]):
+            return key
+        sync_size = torch.empty((), dtype=key[2]).element_size()
+        if sync_size > p.element_size():
+            raise OptionError(f"param_sync_dtype={key[2]} is wider than a {p.dtype} parameter; "
+                              "byte-level sync needs an integer type of smaller or equal size")
+        full = key + (p.dtype,)
+        self._register_key(full)
+        return full
 
     def _lay_out(self, params: Iterable[torch.Tensor], key: tuple) -> None:
         if self._built:
@@ -199,8 +225,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                  "in this optimizer's param groups")
             if not p.requires_grad or i in self._keys:
                 continue
-            self._keys[i] = key
-            entries.append((i, p.numel(), key))
+            pkey = self._param_key(p, key)
+            self._keys[i] = pkey
+            entries.append((i, p.numel(), pkey))
         self._layout_builder().add(entries)
 
     def init_params(self, params, dtype=None, grad_sync_dtype=None,
@@ -233,22 +260,24 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "hold parameters (alignment padding); a smaller bucket_cap_mb or fewer, larger "
                 "parameters use memory better", stacklevel=3)
         rank = self.distributed_rank
+        grad_views = self._persistent_buffers(1) if self.contiguous_grad_buffer else None
+        param_views = self._persistent_buffers(2) if self.contiguous_param_buffer else None
         self._grad = GradSync(layouts, [lay.key[1] for lay in layouts], self.device, self._comm,
                               self.distributed_process_group, self.redundant_process_group,
                               rank, self.average_grad_sync,
-                              on_first_collective=self._check_fingerprint)
+                              on_first_collective=self._check_fingerprint, persistent=grad_views)
         self._param_sync = ParamSync(layouts, [lay.key[2] for lay in layouts], self.device,
                                      self._comm, self.distributed_process_group, rank,
-                                     self._params)
+                                     self._params, persistent=param_views)
         tp_rank = _tensor_parallel_rank(self.model_parallel_group)
         self._shards = []
-        for lay in layouts:
+        for b, lay in enumerate(layouts):
             dtype = lay.key[0]
             pieces = lay.shard_pieces(rank)
-            master = torch.zeros(lay.shard_size, dtype=dtype, device=self.device)
-            self._copy_params_into(master, pieces)
+            master = self._params_shard(b, dtype)
             self._shards.append(ShardState(
                 master=master if self.store_params else None,
+                remainder=split_remainder(master)[1] if self.store_param_remainders else None,
                 exp_avg=torch.zeros(lay.shard_size, dtype=dtype, device=self.device),
                 exp_avg_sq=torch.zeros(lay.shard_size, dtype=dtype, device=self.device),
                 group_ranges=merge_pieces(pieces, lambda p: self._group_of[p.param]),
@@ -256,6 +285,92 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     getattr(self._params[p.param], "tensor_model_parallel", False)
                     or tp_rank == 0)),
             ))
+        if param_views is not None:
+            self._params_to_buffer_views(param_views)
+
+    def _persistent_buffers(self, which: int) -> list[torch.Tensor]:
+        """One persistent buffer per dtype key (``which``: 1 grads, 2 params); returns each
+        bucket's view into it. Buckets of one key are adjacent, in index order."""
+        sizes: dict[tuple, int] = {}
+        offsets = []
+        for lay in self._layouts:
+            offsets.append(sizes.get(lay.key, 0))
+            sizes[lay.key] = offsets[-1] + lay.size
+        buffers = {key: torch.zeros(n, dtype=key[which], device=self.device)
+                   for key, n in sizes.items()}
+        self._buffers = getattr(self, "_buffers", {})
+        self._buffers[which] = buffers
+        self._buffer_offsets = offsets
+        return [buffers[lay.key][off:off + lay.size]
+                for lay, off in zip(self._layouts, offsets)]
+
+    def _buffer_view(self, which: int, index: int) -> torch.Tensor:
+        """Parameter ``index`` as a view of persistent buffer ``which`` (param-shaped)."""
+        frags = [f for lay in self._layouts for f in lay.fragments if f.param == index]
+        if not frags:
+            raise ValueError("this parameter has no storage in the optimizer's buffers "
+                             "(requires_grad=False?)")
+        p = self._params[index]
+        key = self._keys[index]
+        base = self._buffer_offsets[frags[0].bucket] + frags[0].bucket_start - frags[0].param_start
+        for f in frags:  # a parameter split across buckets is still contiguous in the buffer
+            assert self._buffer_offsets[f.bucket] + f.bucket_start == base + f.param_start
+        return self._buffers[which][key][base:base + p.numel()].view(p.shape)
+
+    def grad_buffer_view(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``-shaped view of the contiguous gradient buffer (``grad_sync_dtype``)."""
+        if not self.contiguous_grad_buffer:
+            raise RuntimeError("grad_buffer_view needs contiguous_grad_buffer=True")
+        self._ensure_layout()
+        return self._buffer_view(1, self._index[id(param)])
+
+    def init_param_buffer(self) -> None:
+        """Make every parameter a view into one persistent buffer per dtype key
+        (``contiguous_param_buffer=True``): the all-gather then writes straight into the
+        parameters. Done at layout time; calling it earlier fixes the layout now."""
+        if not self.contiguous_param_buffer:
+            raise RuntimeError("init_param_buffer needs contiguous_param_buffer=True")
+        self._ensure_layout()
+
+    def _params_to_buffer_views(self, views) -> None:
+        for i, p in enumerate(self._params):
+            if i not in self._keys:
+                continue
+            if p.dtype != self._keys[i][2]:
+                raise OptionError(
+                    f"contiguous_param_buffer=True needs parameters of param_sync_dtype "
+                    f"({self._keys[i][2]}); parameter {i} is {p.dtype}")
+            view = self._buffer_view(2, i)
+            with torch.no_grad():
+                view.copy_(p)
+            p.data = view
+
+    def _params_shard(self, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh shard of bucket ``b`` holding the parameters' current values (zero gaps)."""
+        lay = self._layouts[b]
+        shard = torch.zeros(lay.shard_size, dtype=dtype, device=self.device)
+        self._copy_params_into(shard, lay.shard_pieces(self.distributed_rank))
+        return shard
+
+    def _master_shard(self, b: int) -> torch.Tensor:
+        """The master values of bucket ``b``'s shard, in the state dtype (exact with
+        remainders: the bf16 parameter merged with the int16 remainder)."""
+        st = self._shards[b]
+        if st.master is not None:
+            return st.master
+        if st.remainder is not None:
+            hi = split_remainder(self._params_shard(b, torch.float32))[0]
+            return merge_remainder(hi, st.remainder)
+        return self._params_shard(b, self._layouts[b].key[0])
+
+    def _store_master_shard(self, b: int, values: torch.Tensor) -> None:
+        """Set bucket ``b``'s master shard (loading a checkpoint). Without a stored master
+        the parameters are the master: the user loads them with the model."""
+        st = self._shards[b]
+        if st.master is not None:
+            st.master.copy_(values)
+        elif st.remainder is not None:
+            st.remainder.copy_(split_remainder(values.float())[1])
 
     def _copy_params_into(self, shard: torch.Tensor, pieces) -> None:
         srcs = [self._params[p.param].detach().view(-1)[p.param_start:p.param_end]
@@ -490,29 +605,46 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _fused_adam(self, buckets, outs) -> None:
         """One fused launch per (param group, dtype key) over the given buckets."""
-        work: dict[tuple, tuple[list, ...]] = {}
+        plain: dict[tuple, tuple[list, ...]] = {}
+        with_rem: dict[tuple, tuple[list, ...]] = {}
+        byte_outs = []
         for b in buckets:
             st, lay = self._shards[b], self._layouts[b]
             grad = self._grad.buckets[b].shard
-            master = st.master
-            if master is None:
-                master = torch.zeros(lay.shard_size, dtype=lay.key[0], device=self.device)
-                self._copy_params_into(master, lay.shard_pieces(self.distributed_rank))
+            out = outs[b]
+            if is_byte_dtype(lay.key[2]):  # the value in the param's dtype, then its top bytes
+                value = torch.empty(lay.shard_size, dtype=lay.key[3], device=self.device)
+                byte_outs.append((value, out))
+                out = value
+            if st.remainder is not None:
+                # The bf16 high halves come from the parameters and are updated in place,
+                # in the buffer that is then gathered.
+                out.copy_(split_remainder(self._params_shard(b, torch.float32))[0])
+                for lo, hi, gi in st.group_ranges:
+                    lists = with_rem.setdefault((gi, lay.key), ([], [], [], [], []))
+                    for lst, t in zip(lists, (out, st.remainder, grad, st.exp_avg,
+                                              st.exp_avg_sq)):
+                        lst.append(t[lo:hi])
+                continue
+            master = st.master if st.master is not None else self._params_shard(b, lay.key[0])
             for lo, hi, gi in st.group_ranges:
-                lists = work.setdefault((gi, lay.key), ([], [], [], [], []))
-                lists[0].append(master[lo:hi])
-                lists[1].append(grad[lo:hi])
-                lists[2].append(st.exp_avg[lo:hi])
-                lists[3].append(st.exp_avg_sq[lo:hi])
-                lists[4].append(outs[b][lo:hi])
-        for (gi, _key), (p, g, m, v, out) in work.items():
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            kernels.adam(p, g, m, v, out, lr=group["lr"], beta1=beta1, beta2=beta2,
-                         eps=group["eps"], weight_decay=group["weight_decay"], step=self._steps,
-                         adam_w_mode=self.adam_w_mode,
-                         bias_correction=bool(group["bias_correction"]),
-                         grad_scale=self._grad_scale)
+                lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
+                for lst, t in zip(lists, (master, grad, st.exp_avg, st.exp_avg_sq, out)):
+                    lst.append(t[lo:hi])
+        for (gi, _), (p, g, m, v, out) in plain.items():
+            kernels.adam(p, g, m, v, out, **self._hyper(gi))
+        for (gi, _), (hi, rem, g, m, v) in with_rem.items():
+            kernels.adam_remainders(hi, rem, g, m, v, None, **self._hyper(gi))
+        for value, out in byte_outs:
+            copy_high_bytes(value, out)
+
+    def _hyper(self, gi: int) -> dict:
+        group = self.param_groups[gi]
+        beta1, beta2 = group["betas"]
+        return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=self._steps,
+                    adam_w_mode=self.adam_w_mode, bias_correction=bool(group["bias_correction"]),
+                    grad_scale=self._grad_scale)
 
     # ------------------------------------------------------------------ param sync
     def param_sync(self) -> None:

@@ -41,8 +41,9 @@ class GradBucket:
     """Gradient state of one bucket."""
 
     def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device,
-                 dist_rank: int):
+                 dist_rank: int, persistent: torch.Tensor | None = None):
         self.layout = layout
+        self.persistent = persistent  # view into the contiguous grad buffer, if any
         self.dtype = dtype
         self.device = device
         self.dist_rank = dist_rank
@@ -69,7 +70,10 @@ class GradBucket:
     def start_fill(self) -> None:
         """Allocate a zeroed buffer for a new round of gradients."""
         self._assert_state(GradState.EMPTY, GradState.SYNCED)
-        self.buffer = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        if self.persistent is not None:
+            self.buffer = self.persistent.zero_()
+        else:
+            self.buffer = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
         self.arrived = set()
         self.state = GradState.FILLING
 
@@ -121,8 +125,10 @@ class GradSync:
                  device: torch.device, ctx: CommContext,
                  distributed_group: dist.ProcessGroup | None,
                  redundant_group: dist.ProcessGroup | None, dist_rank: int, average: bool,
-                 on_first_collective=None):
-        self.buckets = [GradBucket(lay, dt, device, dist_rank) for lay, dt in zip(layouts, dtypes)]
+                 on_first_collective=None, persistent: Sequence[torch.Tensor] | None = None):
+        views = persistent if persistent is not None else [None] * len(layouts)
+        self.buckets = [GradBucket(lay, dt, device, dist_rank, view)
+                        for lay, dt, view in zip(layouts, dtypes, views)]
         self.ctx = ctx
         self.distributed_group = distributed_group
         self.redundant_group = redundant_group

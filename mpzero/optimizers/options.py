@@ -40,12 +40,12 @@ def check_sync_dtypes(dtype: torch.dtype, grad_sync_dtype, param_sync_dtype,
         grad_sync_dtype, f"{prefix}grad_sync_dtype", FLOAT_DTYPES)
     psd = dtype if param_sync_dtype is None else resolve_dtype(
         param_sync_dtype, f"{prefix}param_sync_dtype", FLOAT_DTYPES + BYTE_SYNC_DTYPES)
-    if psd in BYTE_SYNC_DTYPES:
-        raise OptionError(
-            f"{prefix}param_sync_dtype={psd} (byte-level parameter sync) is planned but not "
-            "implemented yet; use a float dtype"
-        )
     return dtype, gsd, psd
+
+
+def is_byte_dtype(dtype: torch.dtype) -> bool:
+    """Integer param-sync dtypes: the top bytes of each value are gathered."""
+    return dtype in BYTE_SYNC_DTYPES
 
 
 def check_options(o: dict) -> None:
@@ -100,9 +100,7 @@ def check_options(o: dict) -> None:
             raise OptionError("nccl_ub=True requires contiguous_grad_buffer=True")
         if device is not None and torch.device(device).type != "cuda":
             raise OptionError(f"nccl_ub=True requires a CUDA device, got device={device!r}")
-    planned = [name for name in ("nccl_ub", "capturable", "store_param_remainders",
-                                 "with_scaled_states", "contiguous_grad_buffer",
-                                 "contiguous_param_buffer") if o[name]]
+    planned = [name for name in ("nccl_ub", "capturable", "with_scaled_states") if o[name]]
     if planned:
         raise OptionError(
             f"{planned[0]}=True is planned but not implemented yet in mpzero's "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from mpzero import kernels
 from mpzero.comm import CommContext, Pending
 from mpzero.optimizers.layout import BucketLayout
+from mpzero.optimizers.precision import expand_high_bytes
 
 
 class ParamState(enum.Enum):
@@ -35,8 +36,10 @@ class ParamState(enum.Enum):
 
 class ParamBucket:
     def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device,
-                 dist_rank: int):
+                 dist_rank: int, persistent: torch.Tensor | None = None):
         self.layout = layout
+        # View into the contiguous param buffer: the parameters themselves live there.
+        self.persistent = persistent
         self.dtype = dtype
         self.device = device
         self.dist_rank = dist_rank
@@ -54,7 +57,10 @@ class ParamBucket:
     def mark_stale(self) -> torch.Tensor:
         """Allocate the gather buffer; return this rank's shard slice for the step to fill."""
         self._assert_state(ParamState.CURRENT)
-        self.full = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+        if self.persistent is not None:
+            self.full = self.persistent
+        else:
+            self.full = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
         self.state = ParamState.STALE
         lo, hi = self.layout.shard_range(self.dist_rank)
         return self.full[lo:hi]
@@ -68,12 +74,17 @@ class ParamBucket:
     def finish(self, params: Sequence[torch.Tensor]) -> None:
         self._assert_state(ParamState.GATHERING)
         self._pending.wait()
-        srcs, dsts = [], []
-        for f in self.layout.fragments:
-            srcs.append(self.full[f.bucket_start : f.bucket_end])
-            dsts.append(params[f.param].detach().view(-1)[f.param_start : f.param_end])
-        with torch.no_grad():
-            kernels.multi_copy(srcs, dsts)
+        if self.persistent is None:  # else the gather wrote into the parameters already
+            srcs, dsts = [], []
+            for f in self.layout.fragments:
+                srcs.append(self.full[f.bucket_start : f.bucket_end])
+                dsts.append(params[f.param].detach().view(-1)[f.param_start : f.param_end])
+            with torch.no_grad():
+                if self.dtype.is_floating_point:
+                    kernels.multi_copy(srcs, dsts)
+                else:  # byte-level sync: the gathered bytes are the values' top bytes
+                    for src, dst in zip(srcs, dsts):
+                        expand_high_bytes(src, dst)
         self.full, self._pending = None, None
         self.state = ParamState.CURRENT
 
@@ -83,8 +94,11 @@ class ParamSync:
 
     def __init__(self, layouts: Sequence[BucketLayout], dtypes: Sequence[torch.dtype],
                  device: torch.device, ctx: CommContext, group: dist.ProcessGroup | None,
-                 dist_rank: int, params: Sequence[torch.Tensor]):
-        self.buckets = [ParamBucket(lay, dt, device, dist_rank) for lay, dt in zip(layouts, dtypes)]
+                 dist_rank: int, params: Sequence[torch.Tensor],
+                 persistent: Sequence[torch.Tensor] | None = None):
+        views = persistent if persistent is not None else [None] * len(layouts)
+        self.buckets = [ParamBucket(lay, dt, device, dist_rank, view)
+                        for lay, dt, view in zip(layouts, dtypes, views)]
         self.ctx = ctx
         self.group = group
         self.params = params
