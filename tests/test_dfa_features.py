@@ -360,7 +360,6 @@ def test_grid_sizes_must_multiply(world):
     (dict(lr=-1.0), "lr"),
     (dict(pipeline_size=0), "pipeline_size"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb"),
-    (dict(capturable=True), "capturable"),
 ])
 def test_construction_errors(kwargs, match):
     with pytest.raises(OptionError, match=match):
@@ -378,3 +377,34 @@ def test_param_errors():
         DistributedFusedAdam([m.fc1.weight, meta])
     with pytest.raises(ValueError, match="empty"):
         DistributedFusedAdam([])
+
+
+# ---------------------------------------------------------------- capturable
+def _capturable():
+    """Device-side step count and skip: same numerics as the plain path, inf skips."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY,
+                               capturable=True)
+    scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=2.0**8)
+    data = batches(world, 4, 1)
+    for s in range(4):
+        opt.zero_grad()
+        loss = loss_fn(model, *data[s][rank][0])
+        if s == 2 and rank == 0:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+    step = opt.state_dict()["state"]["step"]
+    assert isinstance(step, torch.Tensor) and step.item() == 3
+    ref = _reference(world, data, 4, skip={2})
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def test_capturable_device_step_and_skip(world):
+    assert all(world(2, _capturable))

@@ -77,7 +77,7 @@ def gather_state_dict(opt) -> dict:
             for f in lay.fragments:
                 state[f.param][key].view(-1)[f.param_start:f.param_end] = (
                     full[f.bucket_start:f.bucket_end])
-    state["step"] = opt._steps
+    state["step"] = opt.step_count()
     return {"format": FORMAT, "param_groups": _group_meta(opt), "state": state}
 
 
@@ -118,8 +118,7 @@ def load_state_dict(opt, sd: dict) -> None:
                     src = state[piece.param][k].reshape(-1)[piece.param_start:piece.param_end]
                     dst[piece.shard_start:piece.shard_end].copy_(src)
             _commit_targets(opt, b, targets)
-    step = state["step"]
-    opt._steps = int(step.item() if isinstance(step, torch.Tensor) else step)
+    opt.set_step_count(state["step"])
 
 
 # ---------------------------------------------------------------------- sharded
@@ -133,7 +132,7 @@ def sharded_state_dict(opt) -> dict:
             pieces.append((pc.param, pc.param_start, pc.param_end,
                            {k: t[pc.shard_start:pc.shard_end].float().cpu().clone()
                             for k, t in shards.items()}))
-    return {"format": FORMAT, "param_groups": _group_meta(opt), "step": opt._steps,
+    return {"format": FORMAT, "param_groups": _group_meta(opt), "step": opt.step_count(),
             "numels": {i: opt._params[i].numel() for i in opt._keys}, "pieces": pieces}
 
 
@@ -147,7 +146,7 @@ def load_sharded_state_dict(opt, sds: list[dict]) -> None:
         for param, start, end, tensors in sd["pieces"]:
             by_param.setdefault(param, []).append((start, end, tensors))
     _fill_from_pieces(opt, lambda i: by_param.get(i, []))
-    opt._steps = int(sds[0]["step"])
+    opt.set_step_count(sds[0]["step"])
 
 
 def _fill_from_pieces(opt, pieces_of) -> None:
@@ -245,4 +244,4 @@ def load_sharded(opt, directory: str) -> None:
         del sd
     _load_groups(opt, meta["param_groups"])
     _fill_from_pieces(opt, lambda i: kept.get(i, []))
-    opt._steps = int(meta["step"])
+    opt.set_step_count(meta["step"])

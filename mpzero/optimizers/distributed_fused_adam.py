@@ -165,7 +165,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._keys: dict[int, tuple] = {}
         self._builder: LayoutBuilder | None = None
         self._built = False
+        self.capturable = capturable
+        self._found_inf_for_kernels: torch.Tensor | None = None
         self._steps = 0
+        # capturable: the step count lives on the device and skipped steps (found inf)
+        # do not advance it, without a host sync.
+        self._step_t = torch.zeros((), dtype=torch.float32, device=device) if capturable else None
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._norm_cache: tuple[int, torch.Tensor] | None = None
         self._fingerprint_checked = False
@@ -558,26 +563,40 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._ensure_layout()
         self.param_sync()
         self.grad_sync()
+        found_inf = None
         if grad_scaler is not None:
             from torch.amp.grad_scaler import OptState
 
-            if grad_scaler._per_optimizer_states[id(self)]["stage"] is not OptState.UNSCALED:
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is not OptState.UNSCALED:
                 self.unscale_grads(grad_scaler=grad_scaler)
-            found = sum(v.item() for v in
-                        grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
-                        .values())
-            if found:
-                self._grad_scale.fill_(1.0)
+            found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
+            if not self.capturable and found_inf.item():
+                self._grad_scale.fill_(1.0)  # skipped: same decision on every rank
                 return loss
-        self._steps += 1
+        if self.capturable:
+            self._step_t.add_(1.0 if found_inf is None else 1.0 - found_inf)
+        else:
+            self._steps += 1
         with torch.no_grad():
-            self._local_step()
+            self._local_step(found_inf if self.capturable else None)
         self._grad.mark_stepped()
         self._grad_scale.fill_(1.0)
         self._norm_cache = None
         return loss
 
-    def _local_step(self) -> None:
+    def step_count(self):
+        """Steps taken: an int, or a 0-dim device tensor with ``capturable``."""
+        return self._step_t.clone() if self.capturable else self._steps
+
+    def set_step_count(self, step) -> None:
+        if self.capturable:
+            self._step_t.fill_(float(step))
+        else:
+            self._steps = int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def _local_step(self, found_inf: torch.Tensor | None = None) -> None:
+        self._found_inf_for_kernels = found_inf
         outs = {}
         first_gathered = None
         order = list(range(len(self._layouts)))
@@ -627,6 +646,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                         lst.append(t[lo:hi])
                 continue
             master = st.master if st.master is not None else self._params_shard(b, lay.key[0])
+            if self._found_inf_for_kernels is not None:
+                out.copy_(master)  # a skipped step (device flag) must gather the old values
             for lo, hi, gi in st.group_ranges:
                 lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
                 for lst, t in zip(lists, (master, grad, st.exp_avg, st.exp_avg_sq, out)):
@@ -642,9 +663,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         group = self.param_groups[gi]
         beta1, beta2 = group["betas"]
         return dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=self._steps,
+                    weight_decay=group["weight_decay"],
+                    step=self._step_t if self.capturable else self._steps,
                     adam_w_mode=self.adam_w_mode, bias_correction=bool(group["bias_correction"]),
-                    grad_scale=self._grad_scale)
+                    grad_scale=self._grad_scale, found_inf=self._found_inf_for_kernels)
 
     # ------------------------------------------------------------------ param sync
     def param_sync(self) -> None:

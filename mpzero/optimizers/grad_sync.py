@@ -50,7 +50,10 @@ class GradBucket:
         self.state = GradState.EMPTY
         self.buffer: torch.Tensor | None = None
         self.arrived: set[int] = set()
-        self.shard: torch.Tensor | None = None  # reduced local shard (accumulated)
+        # Reduced local shard, accumulated over syncs. Its storage is kept across resets
+        # (only ``shard_valid`` drops) so its address is stable, e.g. for CUDA graphs.
+        self._shard: torch.Tensor | None = None
+        self.shard_valid = False
         self.launched_since_reset = False
         self._pending: Pending | None = None
         self._incoming: torch.Tensor | None = None
@@ -66,6 +69,10 @@ class GradBucket:
     @property
     def complete(self) -> bool:
         return self.state is GradState.FILLING and self.arrived >= self._params
+
+    @property
+    def shard(self) -> torch.Tensor | None:
+        return self._shard if self.shard_valid else None
 
     def start_fill(self) -> None:
         """Allocate a zeroed buffer for a new round of gradients."""
@@ -101,10 +108,13 @@ class GradBucket:
     def finish_sync(self) -> None:
         self._assert_state(GradState.SYNCING)
         self._pending.wait()
-        if self.shard is None:
-            self.shard = self._incoming
+        if self._shard is None:
+            self._shard = self._incoming
+        elif self.shard_valid:
+            self._shard.add_(self._incoming)
         else:
-            self.shard.add_(self._incoming)
+            self._shard.copy_(self._incoming)
+        self.shard_valid = True
         self._pending, self._incoming, self.buffer = None, None, None
         self.arrived = set()
         self.state = GradState.SYNCED
@@ -113,7 +123,8 @@ class GradBucket:
         """Drop every gradient (``zero_grad``)."""
         if self.state is GradState.SYNCING:
             self.finish_sync()
-        self.buffer, self.shard, self.arrived = None, None, set()
+        self.buffer, self.arrived = None, set()
+        self.shard_valid = False
         self.launched_since_reset = False
         self.state = GradState.EMPTY
 

@@ -37,6 +37,12 @@ CHECKS = [
     ("_grad_norm_api", "test_dfa_features", ()),
     ("_overlap_param_sync", "test_dfa_features", (True,)),
     ("_init_params_order", "test_dfa_features", ()),
+    ("_capturable", "test_dfa_features", ()),
+    ("_contiguous", "test_dfa_buffers", ("grad",)),
+    ("_contiguous", "test_dfa_buffers", ("param",)),
+    ("_remainders", "test_dfa_buffers", ()),
+    ("_byte_sync", "test_dfa_buffers", ("float16", "uint8")),
+    ("_graph_captured_step", "test_dfa_cuda", ()),
 ]
 
 
@@ -48,3 +54,49 @@ def test_dfa_on_cuda_nccl(fn, module, args):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the rank fns
     out = run_on_world(1, _on_cuda, fn, module, *args, backend="nccl", timeout=300)
     assert out[0] is not False
+
+
+def _graph_captured_step():
+    """capturable=True: the whole step() captured in a CUDA graph and replayed equals eager
+    AdamW (gradients land in the contiguous grad buffer, whose address is stable)."""
+    import copy
+
+    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
+
+    from mpzero.optimizers import DistributedFusedAdam
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, capturable=True,
+                               contiguous_grad_buffer=True, overlap_grad_sync=False,
+                               bucket_cap_mb=24 * 4 / 2**20)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    data = batches(1, 6, 1)
+
+    def backward(s):
+        opt.zero_grad()
+        loss_fn(model, *data[s][0][0]).backward()
+        ref_opt.zero_grad()
+        loss_fn(ref, *data[s][0][0]).backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as torch's docs ask
+        for s in range(2):
+            backward(s)
+            opt.step()
+            ref_opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    backward(2)
+    with torch.cuda.graph(graph):
+        opt.step()
+    for s in range(2, 6):
+        if s > 2:
+            backward(s)
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
