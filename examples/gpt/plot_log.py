@@ -19,7 +19,9 @@ def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            (evals if rec.get("kind") == "eval" else train)[rec["iteration"]] = rec
+            kind = rec.get("kind", "train")
+            if kind in ("train", "eval"):
+                (evals if kind == "eval" else train)[rec["iteration"]] = rec
     return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
 
 

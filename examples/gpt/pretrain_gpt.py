@@ -343,7 +343,20 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
               f"{grad_acc}; {device.type}{' bf16' if use_bf16 else ' fp32'}", flush=True)
 
+    # Which node each rank runs on, so the log shows what the optimizer groups span.
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     log = JsonlLog(args.log_file, rank == 0)
+    log.write({"kind": "setup", "iteration": iteration, "world_size": world,
+               "tensor_model_parallel_size": args.tensor_model_parallel_size,
+               "data_parallel_size": dp, "grad_acc": grad_acc, "optimizer": args.optimizer,
+               "distributed_optimizer_size":
+                   parallel_state.get_distributed_optimizer_world_size(),
+               "redundant_optimizer_size": parallel_state.get_redundant_optimizer_world_size(),
+               "distributed_group_ranks": dist.get_process_group_ranks(
+                   parallel_state.get_distributed_optimizer_group()),
+               "nodes": nodes, "parameters": model.num_parameters(),
+               "flops_per_token": flops_tok, "device": device.type, "bf16": use_bf16})
     dp_group = parallel_state.get_data_parallel_group()
     from tqdm import tqdm
 
