@@ -48,20 +48,22 @@ def _group_meta(opt) -> list[dict]:
 
 def _shard_tensors(opt, b: int) -> dict[str, torch.Tensor]:
     """This rank's shard of bucket ``b`` for each state key (the master in its dtype)."""
-    st = opt._shards[b]
-    return {"param": opt._master_shard(b), "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+    exp_avg, exp_avg_sq = opt._moments(b)
+    return {"param": opt._master_shard(b), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def _load_targets(opt, b: int) -> dict[str, torch.Tensor]:
     """Where loading writes bucket ``b``'s shard; the master goes through a temporary that
     :func:`_commit_targets` hands to the optimizer (it may be stored as remainders)."""
-    st, lay = opt._shards[b], opt._layouts[b]
+    lay = opt._layouts[b]
+    exp_avg, exp_avg_sq = opt._moments(b)
     return {"param": torch.zeros(lay.shard_size, dtype=torch.float32, device=opt.device),
-            "exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq}
+            "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
 def _commit_targets(opt, b: int, targets: dict) -> None:
     opt._store_master_shard(b, targets["param"])
+    opt._store_moments(b, targets["exp_avg"], targets["exp_avg_sq"])
 
 
 def gather_state_dict(opt) -> dict:

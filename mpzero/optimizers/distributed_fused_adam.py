@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mpzero import comm, kernels
+from mpzero.nccl_allocator import NcclMemPool
 from mpzero.optimizers import checkpoint
 from mpzero.optimizers.grad_sync import GradSync
 from mpzero.optimizers.layout import (
@@ -44,6 +45,7 @@ from mpzero.optimizers.options import (
 )
 from mpzero.optimizers.param_sync import ParamSync
 from mpzero.optimizers.precision import copy_high_bytes, merge_remainder, split_remainder
+from mpzero.optimizers.scaled_state import ScaledStates
 
 UTILIZATION_WARNING = 0.7
 
@@ -54,8 +56,9 @@ class ShardState:
 
     master: torch.Tensor | None  # None with store_params=False (the parameter is the master)
     remainder: torch.Tensor | None  # int16 low halves with store_param_remainders
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None  # None with with_scaled_states (kept in ``scaled``)
+    exp_avg_sq: torch.Tensor | None
+    scaled: ScaledStates | None  # 16-bit states with per-fragment fp32 scales
     group_ranges: list  # (start, end, param group index) covering the shard's fragments
     norm_ranges: list  # (start, end, counted) for the grad norm (TP-replicated counted once)
 
@@ -139,8 +142,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.pipeline_size = pipeline_size
         self.store_params = store_params
         self.store_param_remainders = store_param_remainders
+        self.with_scaled_states = with_scaled_states
         self.contiguous_grad_buffer = contiguous_grad_buffer
         self.contiguous_param_buffer = contiguous_param_buffer
+        self.nccl_ub = nccl_ub
         self.model_parallel_group = model_parallel_group
         # Decides whether gradients are copied into buckets as soon as they are ready;
         # no_sync() turns it off (unless asked) so they accumulate in param.grad.
@@ -265,12 +270,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "hold parameters (alignment padding); a smaller bucket_cap_mb or fewer, larger "
                 "parameters use memory better", stacklevel=3)
         rank = self.distributed_rank
-        grad_views = self._persistent_buffers(1) if self.contiguous_grad_buffer else None
+        self._nccl_pool = None
+        if self.nccl_ub:
+            self._nccl_pool = NcclMemPool(self.distributed_process_group, self.device)
+        with self._nccl_pool.allocate() if self._nccl_pool else contextlib.nullcontext():
+            grad_views = self._persistent_buffers(1) if self.contiguous_grad_buffer else None
         param_views = self._persistent_buffers(2) if self.contiguous_param_buffer else None
         self._grad = GradSync(layouts, [lay.key[1] for lay in layouts], self.device, self._comm,
                               self.distributed_process_group, self.redundant_process_group,
                               rank, self.average_grad_sync,
                               on_first_collective=self._check_fingerprint, persistent=grad_views)
+        if self._nccl_pool is not None:
+            with self._nccl_pool.allocate():  # reduce-scatter outputs from the same pool
+                for bucket in self._grad.buckets:
+                    bucket.persistent_incoming = torch.empty(
+                        bucket.layout.shard_size, dtype=bucket.dtype, device=self.device)
+            self._nccl_pool.register()
         self._param_sync = ParamSync(layouts, [lay.key[2] for lay in layouts], self.device,
                                      self._comm, self.distributed_process_group, rank,
                                      self._params, persistent=param_views)
@@ -279,12 +294,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for b, lay in enumerate(layouts):
             dtype = lay.key[0]
             pieces = lay.shard_pieces(rank)
-            master = self._params_shard(b, dtype)
+            master = self._params_shard(b, torch.float32 if self.with_scaled_states else dtype)
+            scaled = None
+            if self.with_scaled_states:
+                scaled = ScaledStates([(p.shard_start, p.shard_end) for p in pieces],
+                                      lay.shard_size, dtype, self.device)
+                scaled.store("param", master)
+            plain = not self.with_scaled_states
             self._shards.append(ShardState(
-                master=master if self.store_params else None,
+                master=master if self.store_params and plain else None,
                 remainder=split_remainder(master)[1] if self.store_param_remainders else None,
-                exp_avg=torch.zeros(lay.shard_size, dtype=dtype, device=self.device),
-                exp_avg_sq=torch.zeros(lay.shard_size, dtype=dtype, device=self.device),
+                exp_avg=torch.zeros(lay.shard_size, dtype=dtype, device=self.device)
+                if plain else None,
+                exp_avg_sq=torch.zeros(lay.shard_size, dtype=dtype, device=self.device)
+                if plain else None,
+                scaled=scaled,
                 group_ranges=merge_pieces(pieces, lambda p: self._group_of[p.param]),
                 norm_ranges=merge_pieces(pieces, lambda p: bool(
                     getattr(self._params[p.param], "tensor_model_parallel", False)
@@ -363,10 +387,28 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         st = self._shards[b]
         if st.master is not None:
             return st.master
+        if st.scaled is not None:
+            return st.scaled.unscaled("param")
         if st.remainder is not None:
             hi = split_remainder(self._params_shard(b, torch.float32))[0]
             return merge_remainder(hi, st.remainder)
         return self._params_shard(b, self._layouts[b].key[0])
+
+    def _moments(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exp_avg, exp_avg_sq) of bucket ``b``'s shard (fp32 copies when scaled)."""
+        st = self._shards[b]
+        if st.scaled is not None:
+            return st.scaled.unscaled("exp_avg"), st.scaled.unscaled("exp_avg_sq")
+        return st.exp_avg, st.exp_avg_sq
+
+    def _store_moments(self, b: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        st = self._shards[b]
+        if st.scaled is not None:
+            st.scaled.store("exp_avg", exp_avg)
+            st.scaled.store("exp_avg_sq", exp_avg_sq)
+        elif exp_avg is not st.exp_avg:
+            st.exp_avg.copy_(exp_avg)
+            st.exp_avg_sq.copy_(exp_avg_sq)
 
     def _store_master_shard(self, b: int, values: torch.Tensor) -> None:
         """Set bucket ``b``'s master shard (loading a checkpoint). Without a stored master
@@ -374,6 +416,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         st = self._shards[b]
         if st.master is not None:
             st.master.copy_(values)
+        elif st.scaled is not None:
+            st.scaled.store("param", values)
         elif st.remainder is not None:
             st.remainder.copy_(split_remainder(values.float())[1])
 
@@ -626,7 +670,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """One fused launch per (param group, dtype key) over the given buckets."""
         plain: dict[tuple, tuple[list, ...]] = {}
         with_rem: dict[tuple, tuple[list, ...]] = {}
-        byte_outs = []
+        byte_outs, rescale = [], []
         for b in buckets:
             st, lay = self._shards[b], self._layouts[b]
             grad = self._grad.buckets[b].shard
@@ -645,17 +689,27 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                               st.exp_avg_sq)):
                         lst.append(t[lo:hi])
                 continue
-            master = st.master if st.master is not None else self._params_shard(b, lay.key[0])
+            if st.scaled is not None:  # fp32 working copies, rescaled after the update
+                master = st.scaled.unscaled("param")
+                exp_avg, exp_avg_sq = self._moments(b)
+                rescale.append((b, master, exp_avg, exp_avg_sq))
+            else:
+                master = (st.master if st.master is not None
+                          else self._params_shard(b, lay.key[0]))
+                exp_avg, exp_avg_sq = st.exp_avg, st.exp_avg_sq
             if self._found_inf_for_kernels is not None:
                 out.copy_(master)  # a skipped step (device flag) must gather the old values
             for lo, hi, gi in st.group_ranges:
                 lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
-                for lst, t in zip(lists, (master, grad, st.exp_avg, st.exp_avg_sq, out)):
+                for lst, t in zip(lists, (master, grad, exp_avg, exp_avg_sq, out)):
                     lst.append(t[lo:hi])
         for (gi, _), (p, g, m, v, out) in plain.items():
             kernels.adam(p, g, m, v, out, **self._hyper(gi))
         for (gi, _), (hi, rem, g, m, v) in with_rem.items():
             kernels.adam_remainders(hi, rem, g, m, v, None, **self._hyper(gi))
+        for b, master, exp_avg, exp_avg_sq in rescale:
+            self._shards[b].scaled.store("param", master)
+            self._store_moments(b, exp_avg, exp_avg_sq)
         for value, out in byte_outs:
             copy_high_bytes(value, out)
 

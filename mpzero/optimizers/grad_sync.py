@@ -44,6 +44,8 @@ class GradBucket:
                  dist_rank: int, persistent: torch.Tensor | None = None):
         self.layout = layout
         self.persistent = persistent  # view into the contiguous grad buffer, if any
+        # nccl_ub: the reduce-scatter output, allocated once from the registered pool.
+        self.persistent_incoming: torch.Tensor | None = None
         self.dtype = dtype
         self.device = device
         self.dist_rank = dist_rank
@@ -99,7 +101,11 @@ class GradBucket:
         """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
         if self.state is not GradState.FILLING:
             self.start_fill()
-        self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        if self.persistent_incoming is not None:
+            self._incoming = self.persistent_incoming
+        else:
+            self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype,
+                                         device=self.device)
         self._pending = ctx.reduce_scatter(self.buffer, self._incoming, distributed_group,
                                            redundant_group, average)
         self.launched_since_reset = True
@@ -109,7 +115,8 @@ class GradBucket:
         self._assert_state(GradState.SYNCING)
         self._pending.wait()
         if self._shard is None:
-            self._shard = self._incoming
+            persistent = self.persistent_incoming is not None
+            self._shard = self._incoming.clone() if persistent else self._incoming
         elif self.shard_valid:
             self._shard.add_(self._incoming)
         else:

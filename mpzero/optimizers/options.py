@@ -100,9 +100,3 @@ def check_options(o: dict) -> None:
             raise OptionError("nccl_ub=True requires contiguous_grad_buffer=True")
         if device is not None and torch.device(device).type != "cuda":
             raise OptionError(f"nccl_ub=True requires a CUDA device, got device={device!r}")
-    planned = [name for name in ("nccl_ub", "with_scaled_states") if o[name]]
-    if planned:
-        raise OptionError(
-            f"{planned[0]}=True is planned but not implemented yet in mpzero's "
-            "DistributedFusedAdam"
-        )

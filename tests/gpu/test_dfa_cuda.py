@@ -43,6 +43,8 @@ CHECKS = [
     ("_remainders", "test_dfa_buffers", ()),
     ("_byte_sync", "test_dfa_buffers", ("float16", "uint8")),
     ("_graph_captured_step", "test_dfa_cuda", ()),
+    ("_scaled_states", "test_dfa_buffers", ("bfloat16", 1.0)),
+    ("_nccl_ub", "test_dfa_cuda", ()),
 ]
 
 
@@ -99,4 +101,33 @@ def _graph_captured_step():
     torch.cuda.synchronize()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return True
+
+
+def _nccl_ub():
+    """nccl_ub=True: grad buffer and reduce-scatter outputs come from the registered pool."""
+    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
+
+    from mpzero.optimizers import DistributedFusedAdam
+
+    model = make_model()
+    ref = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, nccl_ub=True,
+                               contiguous_grad_buffer=True, bucket_cap_mb=24 * 4 / 2**20)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    data = batches(1, 3, 1)
+    for s in range(3):
+        opt.zero_grad()
+        loss_fn(model, *data[s][0][0]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn(ref, *data[s][0][0]).backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    assert opt._nccl_pool is not None and opt._nccl_pool._registered
+    if hasattr(opt._nccl_pool.pool, "snapshot"):
+        segments = opt._nccl_pool.pool.snapshot()
+        assert sum(seg["total_size"] for seg in segments) >= sum(
+            b.numel() * b.element_size() for b in opt._buffers[1].values())
     return True
