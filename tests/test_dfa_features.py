@@ -153,7 +153,7 @@ def _grad_scaler_skips_inf():
     for s in range(3):
         opt.zero_grad()
         loss = loss_fn(model, *data[s][rank][0])
-        if s == 1 and rank == 1:  # inf on one rank only: every rank must skip
+        if s == 1 and rank == world - 1:  # inf on one rank only: every rank must skip
             loss = loss * float("inf")
         scaler.scale(loss).backward()
         with warnings.catch_warnings():
