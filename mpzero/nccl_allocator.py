@@ -25,14 +25,17 @@ class NcclMemPool:
             backend = group._get_backend(torch.device(device))
         except Exception as e:  # noqa: BLE001 - any failure here means: not NCCL
             raise RuntimeError(f"nccl_ub=True needs an NCCL process group ({e})") from e
-        for attr in ("mem_allocator", "register_mem_pool", "deregister_mem_pool"):
-            if not hasattr(backend, attr):
-                raise RuntimeError(
-                    f"nccl_ub=True: the process group backend {type(backend).__name__} lacks "
-                    f"{attr!r} (an NCCL build of torch with user-buffer support is needed)")
+        try:
+            for attr in ("register_mem_pool", "deregister_mem_pool"):
+                getattr(backend, attr)
+            allocator = backend.mem_allocator  # raises when NCCL lacks user-buffer support
+        except Exception as e:  # noqa: BLE001 - AttributeError or the backend's RuntimeError
+            raise RuntimeError(
+                f"nccl_ub=True: this torch/NCCL build cannot allocate NCCL user buffers "
+                f"({type(backend).__name__}: {e})") from e
         self.backend = backend
         self.device = torch.device(device)
-        self.pool = torch.cuda.MemPool(backend.mem_allocator)
+        self.pool = torch.cuda.MemPool(allocator)
         self._registered = False
 
     @contextlib.contextmanager

@@ -113,7 +113,7 @@ def _byte_sync(param_dtype_name, sync_dtype_name):
     sd = opt.state_dict()
     for i, p in enumerate(model.parameters()):
         value = sd["state"][i]["param"].to(pdtype)
-        top = torch.empty(value.shape, dtype=sdtype)
+        top = torch.empty(value.shape, dtype=sdtype, device="cpu")
         copy_high_bytes(value, top)
         expected = torch.empty_like(value)
         expand_high_bytes(top, expected)

@@ -54,8 +54,16 @@ def test_dfa_on_cuda_nccl(fn, module, args):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the rank fns
+    if fn == "_graph_captured_step":
+        from mpzero import kernels
+
+        if not kernels.extension_available():
+            pytest.skip("capturing step() needs the CUDA kernels (mpzero._C): the reference "
+                        "kernels copy host scalars to the device")
     out = run_on_world(1, _on_cuda, fn, module, *args, backend="nccl", timeout=300)
-    assert out[0] is not False
+    if isinstance(out[0], str) and out[0].startswith("unsupported"):
+        pytest.skip(out[0])
+    assert out[0] is True
 
 
 def _graph_captured_step():
@@ -114,6 +122,12 @@ def _nccl_ub():
     ref = make_model()
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, nccl_ub=True,
                                contiguous_grad_buffer=True, bucket_cap_mb=24 * 4 / 2**20)
+    try:
+        opt.init_params(list(model.parameters()))
+        opt._ensure_layout()
+    except RuntimeError as e:  # a build without NCCL user buffers: the error must say so
+        assert "nccl_ub=True" in str(e) and "user buffers" in str(e), e
+        return f"unsupported: {e}"
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
     data = batches(1, 3, 1)
     for s in range(3):
