@@ -159,3 +159,24 @@ def test_sharded_files_and_truncation(saved, tmp_path):
 def _load_sharded_only(d):
     model, opt = _make("flat", TINY)
     ckpt.load_sharded(opt, d)
+
+
+def _in_memory_sharded():
+    """sharded_state_dict() of every rank (2x... here flat 2) loads into a 1-bucket layout."""
+    model, opt = _make("flat", TINY)
+    data = batches(SAVED_WORLD, STEPS, 1)
+    _run_steps(model, opt, data, range(STEPS), dist.get_world_size())
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, opt.sharded_state_dict())
+    other_model, other = _make("flat", 100.0, reverse_init=True)
+    other.load_sharded_state_dict(pieces)
+    a, b = opt.state_dict(), other.state_dict()
+    for i in range(8):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][i][k], b["state"][i][k])
+    assert b["state"]["step"] == STEPS
+    return True
+
+
+def test_load_sharded_state_dicts_in_memory(world):
+    assert all(world(2, _in_memory_sharded))

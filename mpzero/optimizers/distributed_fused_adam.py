@@ -335,7 +335,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _buffer_view(self, which: int, index: int) -> torch.Tensor:
         """Parameter ``index`` as a view of persistent buffer ``which`` (param-shaped)."""
-        frags = [f for lay in self._layouts for f in lay.fragments if f.param == index]
+        frags = self._grad.fragments.get(index, [])
         if not frags:
             raise ValueError("this parameter has no storage in the optimizer's buffers "
                              "(requires_grad=False?)")
@@ -758,15 +758,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         checkpoint.load_state_dict(self, state_dict)
 
     def sharded_state_dict(self) -> dict:
-        """This rank's shards only, for ``torch.distributed.checkpoint`` (see checkpoint.py)."""
+        """This rank's shard pieces only (``checkpoint.save_sharded`` writes them per rank)."""
         self._ensure_layout()
         self.param_sync()
         return checkpoint.sharded_state_dict(self)
 
-    def load_sharded_state_dict(self, state_dict: dict) -> None:
+    def load_sharded_state_dict(self, state_dicts: list[dict]) -> None:
+        """Load from the :meth:`sharded_state_dict` of every rank of any grid."""
         self._ensure_layout()
         self.param_sync()
-        checkpoint.load_sharded_state_dict(self, state_dict)
+        checkpoint.load_sharded_state_dict(self, state_dicts)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mpzero.comm import CommContext, Pending
-from mpzero.optimizers.layout import BucketLayout, Fragment
+from mpzero.optimizers.layout import BucketLayout, Fragment, fragments_by_param
 
 
 class GradState(enum.Enum):
@@ -151,10 +151,7 @@ class GradSync:
         self.distributed_group = distributed_group
         self.redundant_group = redundant_group
         self.average = average
-        self.fragments: dict[int, list[Fragment]] = {}
-        for lay in layouts:
-            for f in lay.fragments:
-                self.fragments.setdefault(f.param, []).append(f)
+        self.fragments: dict[int, list[Fragment]] = fragments_by_param(layouts)
         self._cursor = 0  # next bucket to launch in this round
         self._in_flight: list[GradBucket] = []
         self._on_first_collective = on_first_collective

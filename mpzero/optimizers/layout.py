@@ -205,6 +205,15 @@ def layout_buckets(
     return builder.finished()
 
 
+def fragments_by_param(buckets: Sequence[BucketLayout]) -> dict[int, list[Fragment]]:
+    """Every parameter's fragments, in bucket order."""
+    out: dict[int, list[Fragment]] = {}
+    for b in buckets:
+        for f in b.fragments:
+            out.setdefault(f.param, []).append(f)
+    return out
+
+
 def utilization(buckets: Sequence[BucketLayout]) -> float:
     """Fraction of bucket elements that hold parameter data (1.0 for no buckets)."""
     total = sum(b.size for b in buckets)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mpzero import kernels
 from mpzero.comm import CommContext, Pending
-from mpzero.optimizers.layout import BucketLayout
+from mpzero.optimizers.layout import BucketLayout, fragments_by_param
 from mpzero.optimizers.precision import expand_high_bytes
 
 
@@ -102,10 +102,8 @@ class ParamSync:
         self.ctx = ctx
         self.group = group
         self.params = params
-        self.buckets_of_param: dict[int, list[int]] = {}
-        for lay in layouts:
-            for f in lay.fragments:
-                self.buckets_of_param.setdefault(f.param, []).append(lay.index)
+        self.buckets_of_param = {p: [f.bucket for f in frags]
+                                 for p, frags in fragments_by_param(layouts).items()}
 
     def mark_stale(self, index: int) -> torch.Tensor:
         return self.buckets[index].mark_stale()
