@@ -84,8 +84,8 @@ def _extensions():
         include_dirs=[os.path.join(HERE, "csrc"), *inc],
         library_dirs=lib,
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+            "cxx": ["-O3", "-std=c++20"],
+            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
         },
     )
 

@@ -4,6 +4,28 @@
 #include "mpzero.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.doc() = "mpzero CUDA kernels";
   m.def("fill_scalar", &mpzero::fill_scalar, "Fill a CUDA tensor with a value (build-path smoke test)");
+  m.def("adam", &mpzero::adam, "Fused multi-tensor Adam over [p, g, m, v, p_out]", py::arg("p"),
+        py::arg("g"), py::arg("m"), py::arg("v"), py::arg("p_out"), py::arg("lr"), py::arg("lr_t"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("step"), py::arg("step_t"), py::arg("adam_w_mode"), py::arg("bias_correction"),
+        py::arg("grad_scale"), py::arg("found_inf"));
+  m.def("adam_remainders", &mpzero::adam_remainders,
+        "Fused multi-tensor Adam over [p_bf16, rem_int16, g, m, v, p_out]", py::arg("p"),
+        py::arg("rem"), py::arg("g"), py::arg("m"), py::arg("v"), py::arg("p_out"), py::arg("lr"),
+        py::arg("lr_t"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("step_t"), py::arg("adam_w_mode"),
+        py::arg("bias_correction"), py::arg("grad_scale"), py::arg("found_inf"));
+  m.def("l2norm", &mpzero::l2norm, "Multi-tensor L2 norm (fp32 accumulation)", py::arg("tensors"),
+        py::arg("noop_flag"));
+  m.def("multi_copy", &mpzero::multi_copy, "Multi-tensor cast/copy", py::arg("srcs"),
+        py::arg("dsts"), py::arg("noop_flag"));
+  m.def("set_launch_config", &mpzero::set_launch_config,
+        "Set (threads, blocks_per_sm, chunk_elems, prefetch_steps, variant); 0 / -1 / 0 / -1 / -1 "
+        "keep the current values",
+        py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"),
+        py::arg("prefetch_steps"), py::arg("variant"));
+  m.def("get_launch_config", &mpzero::get_launch_config);
 }

@@ -1,0 +1,239 @@
+"""Fused Adam kernel bandwidth on one GPU: one run, one table.
+
+Rows: device-to-device copy (the ceiling), torch.optim.AdamW(fused=True) fp32, and
+mpzero's kernel for fp32, mixed (fp32 p/m/v, bf16 grad and bf16 p_out), capturable
+mixed (lr/step/found_inf on the device; eager and replayed from a CUDA graph) and
+bf16 + int16 remainders. Each at the given total sizes, split over 4 tensors per list,
+random data, warm-up, then the median of ``--iters`` timings with CUDA events.
+
+Effective bandwidth counts each input read once and each output written once:
+  copy 8 B/elem (fp32 read + write); fp32 Adam 28 (p, g, m, v read 16; p, m, v written 12);
+  mixed 28 (4+2+4+4 read, 4+4+4+2 written); remainders 28 (p 2, rem 2, g 2, m 4, v 4 read;
+  p 2, rem 2, m 4, v 4, p_out 2 written).
+
+    python bench/bench_adam_kernel.py [--sizes 64M,512M] [--iters 20] [--sweep] [--json F]
+
+``--sweep`` first times the mixed kernel at the largest size under several launch
+configurations (threads, blocks/SM, chunk, L2 prefetch distance,
+launch-bounds variant) and uses the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from mpzero import kernels
+
+HP = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+NT = 4  # tensors per list
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def _time(fn, iters: int, warmup: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _split(n: int) -> list[int]:
+    base = n // NT
+    return [base] * (NT - 1) + [n - base * (NT - 1)]
+
+
+def _randn(sizes, dtype, scale=1.0, positive=False):
+    out = []
+    for k in sizes:
+        t = torch.randn(k, device="cuda") * scale
+        if positive:
+            t = t.abs_().add_(1e-4)
+        out.append(t.to(dtype))
+    return out
+
+
+def case_copy(n, iters):
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    return _time(lambda: dst.copy_(src), iters), 8
+
+
+def case_torch_fused(n, iters):
+    params = [torch.nn.Parameter(t) for t in _randn(_split(n), torch.float32)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True, **{"weight_decay": HP["weight_decay"]})
+    return _time(opt.step, iters), 28
+
+
+def _adam_lists(n, pdt, gdt, odt):
+    sizes = _split(n)
+    p = _randn(sizes, pdt)
+    g = _randn(sizes, gdt)
+    m = _randn(sizes, pdt, 0.1)
+    v = _randn(sizes, pdt, 0.01, positive=True)
+    out = None if odt is None else [torch.empty(k, device="cuda", dtype=odt) for k in sizes]
+    return p, g, m, v, out
+
+
+def case_fp32(n, iters):
+    p, g, m, v, _ = _adam_lists(n, torch.float32, torch.float32, None)
+    return _time(lambda: kernels.adam(p, g, m, v, lr=1e-4, step=10, **HP), iters), 28
+
+
+def case_mixed(n, iters):
+    lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
+    return _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters), 28
+
+
+def _capturable_args():
+    return dict(
+        lr=torch.tensor(1e-4, device="cuda"),
+        step=torch.tensor(10, device="cuda"),
+        found_inf=torch.zeros((), device="cuda"),
+        **HP,
+    )
+
+
+def case_capturable(n, iters):
+    lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
+    kw = _capturable_args()
+    return _time(lambda: kernels.adam(*lists, **kw), iters), 28
+
+
+def case_capturable_graph(n, iters):
+    lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
+    kw = _capturable_args()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kernels.adam(*lists, **kw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.adam(*lists, **kw)
+    return _time(graph.replay, iters), 28
+
+
+def case_remainders(n, iters):
+    sizes = _split(n)
+    p = _randn(sizes, torch.bfloat16)
+    rem = [torch.randint(-(2**15), 2**15, (k,), device="cuda", dtype=torch.int16) for k in sizes]
+    g = _randn(sizes, torch.bfloat16)
+    m = _randn(sizes, torch.float32, 0.1)
+    v = _randn(sizes, torch.float32, 0.01, positive=True)
+    out = [torch.empty(k, device="cuda", dtype=torch.bfloat16) for k in sizes]
+    fn = lambda: kernels.adam_remainders(p, rem, g, m, v, out, lr=1e-4, step=10, **HP)  # noqa: E731
+    return _time(fn, iters), 28
+
+
+CASES = [
+    ("D2D copy (ceiling)", case_copy),
+    ("torch AdamW fused fp32", case_torch_fused),
+    ("mpzero fp32", case_fp32),
+    ("mpzero mixed", case_mixed),
+    ("mpzero capturable mixed", case_capturable),
+    ("mpzero capturable mixed, graph", case_capturable_graph),
+    ("mpzero remainders", case_remainders),
+]
+
+
+def sweep(n, iters):
+    from mpzero.kernels import cuda as kc
+
+    configs = []
+    for variant, threads_list in ((0, (256, 512)), (1, (256,))):
+        for threads in threads_list:
+            for chunk in (16384, 65536):
+                for pf in (0, 1, 2):
+                    configs.append((threads, 0, chunk, pf, variant))
+    rows = []
+    lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
+    for cfg in configs:
+        kc.set_launch_config(*cfg)
+        ms = _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters)
+        rows.append((cfg, ms))
+        print(
+            f"  sweep threads={cfg[0]} bps={cfg[1]} chunk={cfg[2]} prefetch={cfg[3]} "
+            f"variant={cfg[4]}: "
+            f"{ms:.3f} ms  {28 * n / ms / 1e9:.3f} TB/s",
+            flush=True,
+        )
+    best = min(rows, key=lambda r: r[1])[0]
+    kc.set_launch_config(*best)
+    return best, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64M,512M")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cases", default=None, help="comma-separated row-name substrings")
+    args = ap.parse_args()
+    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    if not kernels.extension_available():
+        raise SystemExit("mpzero._C is not built: the rows would time the reference")
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
+    result = {"device": props.name, "torch": torch.__version__, "rows": []}
+    if args.sweep:
+        best, rows = sweep(max(sizes), args.iters)
+        result["sweep"] = [{"config": c, "ms": ms} for c, ms in rows]
+        print(f"best launch config (threads, blocks/SM, chunk, prefetch, variant): {best}")
+        result["config"] = best
+    from mpzero.kernels import cuda as kc
+
+    result["config"] = list(kc.get_launch_config())
+    cases = CASES
+    if args.cases:
+        keys = args.cases.split(",")
+        cases = [c for c in CASES if any(k in c[0] for k in keys)]
+    table = {}
+    for name, fn in cases:
+        for n in sizes:
+            ms, bpe = fn(n, args.iters)
+            torch.cuda.empty_cache()
+            tbs = bpe * n / ms / 1e9
+            table[(name, n)] = (ms, tbs)
+            result["rows"].append(
+                {"case": name, "elems": n, "ms": ms, "tbps": tbs, "bytes_per_elem": bpe}
+            )
+            print(f"  {name:32s} {n // 2**20:5d}M  {ms:8.3f} ms  {tbs:6.3f} TB/s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    head = f"| {'case':32s} |" + "".join(f" {n // 2**20}M ms | {n // 2**20}M TB/s |" for n in sizes)
+    print()
+    print(
+        f"launch config (threads, blocks/SM, chunk, prefetch, variant): {tuple(result['config'])}"
+    )
+    print(head)
+    print("|" + "---|" * (1 + 2 * len(sizes)))
+    for name, _ in cases:
+        cells = "".join(f" {table[(name, n)][0]:.3f} | {table[(name, n)][1]:.3f} |" for n in sizes)
+        print(f"| {name:32s} |{cells}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+// Multi-tensor apply: one kernel launch walks many tensors, cut into fixed-size chunks.
+//
+// Layout of a launch
+//   * The pointers (DEPTH per tensor: e.g. p, g, m, v, p_out) and element counts of up to
+//     kMaxTensors<DEPTH> tensors travel in the kernel's parameter space (a struct passed by
+//     value as a __grid_constant__ parameter, < 4 KiB), together with the prefix sum of
+//     their chunk counts. More tensors than fit become several launches.
+//   * The grid is persistent: min(total chunks, SMs x blocks per SM) blocks, each walking
+//     chunks blockIdx.x, blockIdx.x + gridDim.x, ... and finding its tensor by a binary
+//     search over the prefix sums (uniform across the block, a few constant-cache reads).
+//   * Inside a chunk, a thread handles 8 consecutive elements per step with 16-byte loads
+//     and stores when every pointer of that tensor is 16-byte aligned (chunk starts are
+//     multiples of 8 elements, so alignment carries over); the last < 8 elements, and
+//     whole tensors whose pointers are not aligned, take a coalesced scalar path.
+//
+// An Op supplies: `bool init()` (read device scalars; true = skip the whole launch, which
+// is how found_inf / noop flags stop every write), `apply(meta, t, begin, end)` for one
+// chunk of tensor t, and `finish()` (end of the block's work, e.g. a block reduction).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "multi_tensor_apply_config.h"
+
+namespace mpzero {
+
+template <int DEPTH>
+constexpr int max_tensors() {
+  return 3584 / (8 * DEPTH + 16);
+}
+
+template <int DEPTH>
+struct TensorListMeta {
+  static constexpr int kMaxT = max_tensors<DEPTH>();
+  void* ptr[DEPTH][kMaxT];
+  int64_t numel[kMaxT];
+  int64_t chunk_begin[kMaxT + 1];
+  int ntensors;
+};
+static_assert(sizeof(TensorListMeta<6>) < 3900, "kernel parameters must stay under 4 KiB");
+static_assert(sizeof(TensorListMeta<1>) < 3900, "kernel parameters must stay under 4 KiB");
+
+// ---------------------------------------------------------------------------------------
+// Element conversions and 8-wide vector IO.
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Ask L2 to fetch the line holding p (no register result, no fault semantics needed:
+// callers only prefetch inside the tensor).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Load 8 consecutive elements (p must be 16-byte aligned) as fp32.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+    r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) r[j] = to_float(e[j]);
+  }
+}
+
+// Store 8 consecutive fp32 values as T (p must be 16-byte aligned), round to nearest even.
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&r)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(r[0], r[1], r[2], r[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(r[4], r[5], r[6], r[7]);
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    uint4 u;
+    T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) e[j] = from_float<T>(r[j]);
+    *reinterpret_cast<uint4*>(p) = u;
+  }
+}
+
+// 8 raw 16-bit values (bf16 bits, int16 remainders).
+__device__ __forceinline__ void load8_u16(const void* p, uint32_t (&r)[kVec]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    r[2 * j] = w[j] & 0xFFFFu;
+    r[2 * j + 1] = w[j] >> 16;
+  }
+}
+__device__ __forceinline__ void store8_u16(void* p, const uint32_t (&r)[kVec]) {
+  uint4 u;
+  u.x = (r[0] & 0xFFFFu) | (r[1] << 16);
+  u.y = (r[2] & 0xFFFFu) | (r[3] << 16);
+  u.z = (r[4] & 0xFFFFu) | (r[5] << 16);
+  u.w = (r[6] & 0xFFFFu) | (r[7] << 16);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Output dtype chosen at run time (keeps template instantiations down).
+enum class OutKind : int { kNone = 0, kFloat = 1, kHalf = 2, kBFloat16 = 3 };
+
+inline OutKind out_kind_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return OutKind::kFloat;
+    case at::kHalf: return OutKind::kHalf;
+    case at::kBFloat16: return OutKind::kBFloat16;
+    default: TORCH_CHECK(false, "mpzero: unsupported output dtype ", t);
+  }
+}
+
+__device__ __forceinline__ void store8_out(OutKind k, void* base, int64_t i, const float (&r)[kVec]) {
+  switch (k) {
+    case OutKind::kFloat: store8(static_cast<float*>(base) + i, r); break;
+    case OutKind::kHalf: store8(static_cast<__half*>(base) + i, r); break;
+    case OutKind::kBFloat16: store8(static_cast<__nv_bfloat16*>(base) + i, r); break;
+    default: break;
+  }
+}
+__device__ __forceinline__ void store1_out(OutKind k, void* base, int64_t i, float x) {
+  switch (k) {
+    case OutKind::kFloat: static_cast<float*>(base)[i] = x; break;
+    case OutKind::kHalf: static_cast<__half*>(base)[i] = __float2half_rn(x); break;
+    case OutKind::kBFloat16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernel.
+
+// MAXT/MINB: __launch_bounds__ (register cap = 64K / (MAXT * MINB)). Ops with
+// `kTunable` also get a (256, 3) instantiation, chosen at run time by LaunchConfig::variant.
+template <int DEPTH, class Op, int MAXT = kMaxThreads, int MINB = 1>
+__global__ void __launch_bounds__(MAXT, MINB)
+    multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, int64_t chunk, Op op) {
+  if (op.init()) return;  // uniform across the grid: a device flag said "change nothing"
+  const int64_t total = meta.chunk_begin[meta.ntensors];
+  for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    int lo = 0, hi = meta.ntensors - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (meta.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
+    }
+    const int64_t begin = (c - meta.chunk_begin[lo]) * chunk;
+    const int64_t end = min(begin + chunk, meta.numel[lo]);
+    op.apply(meta, lo, begin, end);
+  }
+  op.finish();
+}
+
+// Iterate the V-wide steps and the scalar remainder of one chunk.
+//   vec(i):          elements i..i+V-1, all pointers aligned (V = 8 elements, or 16 bytes)
+//   scalar(base, e): elements base + j * blockDim.x + threadIdx.x (j < V) that are < e
+// Both callbacks are called by every thread of the block.
+template <int V = kVec, class Vec, class Scalar>
+__device__ __forceinline__ void for_chunk(bool aligned, int64_t begin, int64_t end, Vec&& vec,
+                                          Scalar&& scalar) {
+  if (aligned) {
+    const int64_t groups = (end - begin) / V;
+    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) vec(begin + k * V);
+    const int64_t tail = begin + groups * V;
+    if (tail < end) scalar(tail, end);
+  } else {
+    for (int64_t base = begin; base < end; base += (int64_t)blockDim.x * V) scalar(base, end);
+  }
+}
+
+// Index of element j of a scalar step (strided by the block for coalescing).
+__device__ __forceinline__ int64_t scalar_index(int64_t base, int j) {
+  return base + (int64_t)j * blockDim.x + threadIdx.x;
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side.
+
+struct LaunchPlan {
+  int first;        // first tensor of the launch
+  int count;        // tensors in the launch
+  int64_t chunks;   // total chunks
+  int grid;         // blocks
+};
+
+inline int device_sm_count() {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+template <int DEPTH, class Op, int MAXT, int MINB>
+int blocks_per_sm_for(int threads) {
+  const LaunchConfig& cfg = launch_config();
+  if (cfg.blocks_per_sm > 0) return cfg.blocks_per_sm;
+  // Cached per instantiation and block size (and thus computed before any graph capture
+  // that follows a warm-up call). Single-device assumption: same SM type everywhere.
+  static int cache[kMaxThreads / 32 + 1] = {};
+  int& n = cache[threads / 32];
+  if (n == 0) {
+    int k = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &k, multi_tensor_kernel<DEPTH, Op, MAXT, MINB>, threads, 0));
+    n = k > 0 ? k : 1;
+  }
+  return n;
+}
+
+template <int MAXT>
+int threads_for() {
+  return std::min(launch_config().threads, MAXT);
+}
+
+// Cut the (non-empty) tensors into launches of at most kMaxT tensors.
+template <int DEPTH, class Op, int MAXT = kMaxThreads, int MINB = 1>
+std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk) {
+  constexpr int kMaxT = TensorListMeta<DEPTH>::kMaxT;
+  const int threads = threads_for<MAXT>();
+  const int64_t max_grid =
+      (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op, MAXT, MINB>(threads);
+  std::vector<LaunchPlan> plans;
+  const int n = static_cast<int>(numel.size());
+  for (int first = 0; first < n; first += kMaxT) {
+    LaunchPlan pl{first, std::min(kMaxT, n - first), 0, 0};
+    for (int i = 0; i < pl.count; ++i) pl.chunks += (numel[first + i] + chunk - 1) / chunk;
+    pl.grid = static_cast<int>(std::min<int64_t>(pl.chunks, max_grid));
+    plans.push_back(pl);
+  }
+  return plans;
+}
+
+// Launch `op` over tensors given by DEPTH pointers each. `prepare(op, launch_index, plan)`
+// may adjust the op per launch (e.g. where a reduction writes its partial sums).
+template <int MAXT, int MINB, int DEPTH, class Op, class Prepare>
+void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
+                    const std::vector<int64_t>& numel, int64_t chunk,
+                    const std::vector<LaunchPlan>& plans, Op op, Prepare&& prepare) {
+  const int threads = threads_for<MAXT>();
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (size_t li = 0; li < plans.size(); ++li) {
+    const LaunchPlan& pl = plans[li];
+    TensorListMeta<DEPTH> meta;
+    int64_t acc = 0;
+    for (int i = 0; i < pl.count; ++i) {
+      for (int d = 0; d < DEPTH; ++d) meta.ptr[d][i] = ptrs[pl.first + i][d];
+      meta.numel[i] = numel[pl.first + i];
+      meta.chunk_begin[i] = acc;
+      acc += (meta.numel[i] + chunk - 1) / chunk;
+    }
+    meta.chunk_begin[pl.count] = acc;
+    meta.ntensors = pl.count;
+    prepare(op, static_cast<int>(li), pl);
+    multi_tensor_kernel<DEPTH, Op, MAXT, MINB><<<pl.grid, threads, 0, stream>>>(meta, chunk, op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+template <int DEPTH, class Op, int MAXT, int MINB>
+void launch_multi_tensor_bounds(const std::vector<std::array<void*, DEPTH>>& ptrs,
+                                const std::vector<int64_t>& numel, int64_t chunk, Op op) {
+  auto plans = plan_launches<DEPTH, Op, MAXT, MINB>(numel, chunk);
+  auto none = [](Op&, int, const LaunchPlan&) {};
+  launch_planned<MAXT, MINB, DEPTH>(ptrs, numel, chunk, plans, op, none);
+}
+
+template <int DEPTH, class Op>
+void launch_multi_tensor(const std::vector<std::array<void*, DEPTH>>& ptrs,
+                         const std::vector<int64_t>& numel, int64_t chunk, Op op) {
+  if constexpr (Op::kTunable) {
+    if (launch_config().variant == 1) {
+      launch_multi_tensor_bounds<DEPTH, Op, 256, 3>(ptrs, numel, chunk, op);
+      return;
+    }
+  }
+  launch_multi_tensor_bounds<DEPTH, Op, kMaxThreads, 1>(ptrs, numel, chunk, op);
+}
+
+// Chunk size in elements, rounded to whole V-wide steps of a block (so that chunk starts
+// keep 16-byte alignment and every vector step of a chunk is full).
+inline int64_t chunk_elems(int64_t scale = 1, int V = kVec) {
+  const LaunchConfig& cfg = launch_config();
+  const int64_t step = (int64_t)cfg.threads * V;
+  const int64_t want = cfg.chunk_elems * scale;
+  return std::max<int64_t>(step, (want + step - 1) / step * step);
+}
+
+// ---------------------------------------------------------------------------------------
+// Argument checks shared by the bindings.
+
+inline void check_list(const std::vector<at::Tensor>& l, const char* what, size_t n,
+                       const at::Device& dev) {
+  TORCH_CHECK(l.size() == n, "mpzero: list '", what, "' has ", l.size(), " tensors, expected ", n);
+  for (const auto& t : l) {
+    TORCH_CHECK(t.is_cuda(), "mpzero: '", what, "' tensors must be CUDA tensors");
+    TORCH_CHECK(t.device() == dev, "mpzero: '", what, "' tensors must be on ", dev);
+    TORCH_CHECK(t.is_contiguous(), "mpzero: '", what, "' tensors must be contiguous");
+  }
+}
+
+inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const char* what,
+                               const at::Device& dev) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->is_cuda() && t->device() == dev, "mpzero: '", what, "' must be on ", dev);
+  TORCH_CHECK(t->scalar_type() == at::kFloat, "mpzero: '", what, "' must be float32");
+  TORCH_CHECK(t->numel() == 1, "mpzero: '", what, "' must have one element");
+  return t->data_ptr<float>();
+}
+
+}  // namespace mpzero
