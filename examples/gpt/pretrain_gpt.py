@@ -199,6 +199,33 @@ def memory_gib(device: torch.device) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+class _NoBar:
+    """Stands in for tqdm when it is not installed (plain log lines then)."""
+
+    disable = True
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **_) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def write(msg: str) -> None:
+        print(msg, flush=True)
+
+
+def _progress_bar(**kwargs):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(**kwargs)
+
+
 class JsonlLog:
     """Rank 0 appends one JSON object per line (and flushes, so a crash keeps it)."""
 
@@ -358,10 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                "nodes": nodes, "parameters": model.num_parameters(),
                "flops_per_token": flops_tok, "device": device.type, "bf16": use_bf16})
     dp_group = parallel_state.get_data_parallel_group()
-    from tqdm import tqdm
-
-    bar = tqdm(total=args.train_iters, initial=iteration, disable=rank != 0 or args.no_progress,
-               dynamic_ncols=True, mininterval=1.0, desc="train")
+    bar = _progress_bar(total=args.train_iters, initial=iteration,
+                        disable=rank != 0 or args.no_progress, dynamic_ncols=True,
+                        mininterval=1.0, desc="train")
     interval_losses, interval_norms = [], []
     tokens_per_iter = args.global_batch_size * args.seq_length
     t_interval, iters_interval = time.perf_counter(), 0
@@ -410,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
             log.write(record)
             if rank == 0:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-                if args.no_progress or not sys.stderr.isatty():
+                if bar.disable or not sys.stderr.isatty():
                     print(f"iter {iteration:6d} | loss {record['loss']:.4f} | lr {lr:.3e} | "
                           f"grad norm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
                           f"{tflops:.3f} TFLOP/s/dev | mem {record['memory_gib']:.2f} GiB",
