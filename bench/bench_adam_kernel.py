@@ -4,18 +4,21 @@ Rows: device-to-device copy (the ceiling), torch.optim.AdamW(fused=True) fp32, a
 mpzero's kernel for fp32, mixed (fp32 p/m/v, bf16 grad and bf16 p_out), capturable
 mixed (lr/step/found_inf on the device; eager and replayed from a CUDA graph) and
 bf16 + int16 remainders. Each at the given total sizes, split over 4 tensors per list,
-random data, warm-up, then the median of ``--iters`` timings with CUDA events.
+random data, warm-up, then the median of ``--iters`` timings with CUDA events, every row
+measured ``--repeat`` times.
 
 Effective bandwidth counts each input read once and each output written once:
   copy 8 B/elem (fp32 read + write); fp32 Adam 28 (p, g, m, v read 16; p, m, v written 12);
   mixed 28 (4+2+4+4 read, 4+4+4+2 written); remainders 28 (p 2, rem 2, g 2, m 4, v 4 read;
   p 2, rem 2, m 4, v 4, p_out 2 written).
 
-    python bench/bench_adam_kernel.py [--sizes 64M,512M] [--iters 20] [--sweep] [--json F]
+    python bench/bench_adam_kernel.py [--sizes 64M,512M] [--iters 20] [--repeat 2] [--sweep]
+        [--json F]
 
 ``--sweep`` first times the mixed kernel at the largest size under several launch
-configurations (threads, blocks/SM, chunk, L2 prefetch distance,
-launch-bounds variant) and uses the best.
+configurations (threads per block, chunk size) and uses the best. Timing: calls are
+queued back to back (the host runs ahead, as in training), one event pair per call; the
+host's own time per call is reported in its own column.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
@@ -38,20 +42,26 @@ def _parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
 
 
-def _time(fn, iters: int, warmup: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` runs, CUDA events around each."""
+def _time(fn, iters: int, warmup: int = 5) -> tuple[float, float]:
+    """(median GPU ms per call, host µs per call).
+
+    The calls are queued back to back with a CUDA event pair around each, and the host
+    synchronizes once at the end: the host runs ahead, as in training, so each pair times
+    the GPU work of one call, not the Python/launch overhead (reported separately: host
+    wall time per call while queueing)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    t0 = time.perf_counter()
+    for a, b in zip(starts, ends):
         a.record()
         fn()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    host_us = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends)), host_us
 
 
 def _split(n: int) -> list[int]:
@@ -158,21 +168,15 @@ CASES = [
 def sweep(n, iters):
     from mpzero.kernels import cuda as kc
 
-    configs = []
-    for variant, threads_list in ((0, (256, 512)), (1, (256,))):
-        for threads in threads_list:
-            for chunk in (16384, 65536):
-                for pf in (0, 1, 2):
-                    configs.append((threads, 0, chunk, pf, variant))
+    configs = [(t, 0, c) for t in (256, 512) for c in (8192, 16384, 65536)]
     rows = []
     lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
     for cfg in configs:
         kc.set_launch_config(*cfg)
-        ms = _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters)
+        ms, _ = _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters)
         rows.append((cfg, ms))
         print(
-            f"  sweep threads={cfg[0]} bps={cfg[1]} chunk={cfg[2]} prefetch={cfg[3]} "
-            f"variant={cfg[4]}: "
+            f"  sweep threads={cfg[0]} blocks/SM={cfg[1] or 'occupancy'} chunk={cfg[2]}: "
             f"{ms:.3f} ms  {28 * n / ms / 1e9:.3f} TB/s",
             flush=True,
         )
@@ -185,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="64M,512M")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=2, help="measure every row this many times")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cases", default=None, help="comma-separated row-name substrings")
@@ -194,45 +199,69 @@ def main() -> None:
         raise SystemExit("needs a CUDA device")
     if not kernels.extension_available():
         raise SystemExit("mpzero._C is not built: the rows would time the reference")
+    from mpzero.kernels import cuda as kc
+
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     result = {"device": props.name, "torch": torch.__version__, "rows": []}
     if args.sweep:
         best, rows = sweep(max(sizes), args.iters)
         result["sweep"] = [{"config": c, "ms": ms} for c, ms in rows]
-        print(f"best launch config (threads, blocks/SM, chunk, prefetch, variant): {best}")
-        result["config"] = best
-    from mpzero.kernels import cuda as kc
-
+        print(f"best launch config (threads, blocks/SM, chunk): {best}")
     result["config"] = list(kc.get_launch_config())
     cases = CASES
     if args.cases:
         keys = args.cases.split(",")
         cases = [c for c in CASES if any(k in c[0] for k in keys)]
     table = {}
-    for name, fn in cases:
-        for n in sizes:
-            ms, bpe = fn(n, args.iters)
-            torch.cuda.empty_cache()
-            tbs = bpe * n / ms / 1e9
-            table[(name, n)] = (ms, tbs)
-            result["rows"].append(
-                {"case": name, "elems": n, "ms": ms, "tbps": tbs, "bytes_per_elem": bpe}
-            )
-            print(f"  {name:32s} {n // 2**20:5d}M  {ms:8.3f} ms  {tbs:6.3f} TB/s", flush=True)
+    for rep in range(args.repeat):
+        for name, fn in cases:
+            for n in sizes:
+                (ms, host_us), bpe = fn(n, args.iters)
+                torch.cuda.empty_cache()
+                tbs = bpe * n / ms / 1e9
+                table.setdefault((name, n), []).append((ms, tbs, host_us))
+                result["rows"].append(
+                    {
+                        "case": name,
+                        "elems": n,
+                        "ms": ms,
+                        "tbps": tbs,
+                        "host_us": host_us,
+                        "bytes_per_elem": bpe,
+                        "repeat": rep,
+                    }
+                )
+                print(
+                    f"  [{rep}] {name:32s} {n // 2**20:5d}M  {ms:8.3f} ms  {tbs:6.3f} TB/s  "
+                    f"host {host_us:6.1f} us/call",
+                    flush=True,
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    head = f"| {'case':32s} |" + "".join(f" {n // 2**20}M ms | {n // 2**20}M TB/s |" for n in sizes)
     print()
     print(
-        f"launch config (threads, blocks/SM, chunk, prefetch, variant): {tuple(result['config'])}"
+        f"launch config (threads, blocks/SM, chunk): {tuple(result['config'])}; "
+        f"median of {args.iters} per row, first of {args.repeat} repeats, spread = max "
+        f"difference between repeats"
+    )
+    head = (
+        f"| {'case':32s} |"
+        + "".join(f" {n // 2**20}M ms | {n // 2**20}M TB/s | spread |" for n in sizes)
+        + " host us/call |"
     )
     print(head)
-    print("|" + "---|" * (1 + 2 * len(sizes)))
+    print("|" + "---|" * (2 + 3 * len(sizes)))
     for name, _ in cases:
-        cells = "".join(f" {table[(name, n)][0]:.3f} | {table[(name, n)][1]:.3f} |" for n in sizes)
-        print(f"| {name:32s} |{cells}")
+        cells = ""
+        for n in sizes:
+            runs = table[(name, n)]
+            ms, tbs, _ = runs[0]
+            spread = (max(r[0] for r in runs) - min(r[0] for r in runs)) / ms * 100
+            cells += f" {ms:.3f} | {tbs:.3f} | {spread:.1f}% |"
+        host = statistics.median(r[2] for n in sizes for r in table[(name, n)])
+        print(f"| {name:32s} |{cells} {host:.0f} |")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@
 #include "multi_tensor_apply.cuh"
 
 #include <cmath>
-#include <type_traits>
 
 namespace mpzero {
 namespace {
@@ -65,11 +64,8 @@ struct AdamScalars {
 // Lists: 0 p (P), 1 g (G), 2 m (P), 3 v (P), 4 p_out (runtime dtype, nullable).
 template <typename P, typename G>
 struct AdamOp {
-  static constexpr bool kTunable =
-      std::is_same_v<P, float> && (std::is_same_v<G, float> || std::is_same_v<G, __nv_bfloat16>);
   AdamScalars s;
   OutKind out_kind;
-  int pf_steps;  // L2 prefetch distance in block steps, 0 = off
   float gs;
 
   __device__ __forceinline__ bool init() {
@@ -89,16 +85,9 @@ struct AdamOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
                          (out == nullptr || aligned16(out));
-    const int64_t pf = (int64_t)pf_steps * blockDim.x * kVec;
     for_chunk(
         aligned, begin, end,
         [&](int64_t i) {
-          if (pf != 0 && i + pf < end) {
-            prefetch_l2(p + i + pf);
-            prefetch_l2(g + i + pf);
-            prefetch_l2(m + i + pf);
-            prefetch_l2(v + i + pf);
-          }
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
           load8(p + i, rp);
           load8(g + i, rg);
@@ -153,10 +142,8 @@ __device__ __forceinline__ void split_bits(float x, uint32_t& hi_bits, uint32_t&
 // Lists: 0 p (bf16 bits), 1 rem (int16), 2 g (G), 3 m (fp32), 4 v (fp32), 5 p_out (nullable).
 template <typename G>
 struct AdamRemOp {
-  static constexpr bool kTunable = std::is_same_v<G, __nv_bfloat16>;
   AdamScalars s;
   OutKind out_kind;
-  int pf_steps;  // L2 prefetch distance in block steps, 0 = off
   float gs;
 
   __device__ __forceinline__ bool init() {
@@ -183,17 +170,9 @@ struct AdamRemOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(r) && aligned16(g) && aligned16(m) &&
                          aligned16(v) && (out == nullptr || aligned16(out));
-    const int64_t pf = (int64_t)pf_steps * blockDim.x * kVec;
     for_chunk(
         aligned, begin, end,
         [&](int64_t i) {
-          if (pf != 0 && i + pf < end) {
-            prefetch_l2(p + i + pf);
-            prefetch_l2(r + i + pf);
-            prefetch_l2(g + i + pf);
-            prefetch_l2(m + i + pf);
-            prefetch_l2(v + i + pf);
-          }
           uint32_t hp[kVec], hr[kVec];
           float x[kVec], rg[kVec], rm[kVec], rv[kVec];
           load8_u16(p + i, hp);
@@ -337,7 +316,7 @@ void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
       dispatch_float(gt, "grads", [&](auto g_tag) {
         using P = decltype(p_tag);
         using G = decltype(g_tag);
-        AdamOp<P, G> op{s, ok, launch_config().prefetch_steps, 1.0f};
+        AdamOp<P, G> op{s, ok, 1.0f};
         launch_multi_tensor<5>(ptrs, numel, chunk_elems(), op);
       });
     });
@@ -392,7 +371,7 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
     const OutKind ok = has_out ? out_kind_of(ot) : OutKind::kNone;
     dispatch_float(gt, "grads", [&](auto g_tag) {
       using G = decltype(g_tag);
-      AdamRemOp<G> op{s, ok, launch_config().prefetch_steps, 1.0f};
+      AdamRemOp<G> op{s, ok, 1.0f};
       launch_multi_tensor<6>(ptrs, numel, chunk_elems(), op);
     });
   }

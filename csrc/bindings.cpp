@@ -23,9 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_copy", &mpzero::multi_copy, "Multi-tensor cast/copy", py::arg("srcs"),
         py::arg("dsts"), py::arg("noop_flag"));
   m.def("set_launch_config", &mpzero::set_launch_config,
-        "Set (threads, blocks_per_sm, chunk_elems, prefetch_steps, variant); 0 / -1 / 0 / -1 / -1 "
-        "keep the current values",
-        py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"),
-        py::arg("prefetch_steps"), py::arg("variant"));
+        "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
+        py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));
   m.def("get_launch_config", &mpzero::get_launch_config);
 }

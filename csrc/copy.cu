@@ -13,7 +13,6 @@ __device__ __forceinline__ bool noop_set(const float* noop) {
 
 template <typename S, typename D>
 struct CastOp {
-  static constexpr bool kTunable = false;
   const float* noop;
   __device__ __forceinline__ bool init() { return noop_set(noop); }
   __device__ __forceinline__ void finish() {}
@@ -43,7 +42,6 @@ struct CastOp {
 constexpr int kRawVec = 16;
 
 struct RawOp {
-  static constexpr bool kTunable = false;
   const float* noop;
   __device__ __forceinline__ bool init() { return noop_set(noop); }
   __device__ __forceinline__ void finish() {}

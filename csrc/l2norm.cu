@@ -9,6 +9,10 @@
 #include "mpzero.h"
 #include "multi_tensor_apply.cuh"
 
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+
 namespace mpzero {
 namespace {
 
@@ -30,7 +34,6 @@ __device__ __forceinline__ float block_sum(float x, float* sh) {
 
 template <typename T>
 struct L2Op {
-  static constexpr bool kTunable = false;
   float* partials;  // this launch's slice: one float per block
   float acc[kVec];
 
@@ -144,7 +147,7 @@ at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tens
     for_group(groups[gi].first, [&](auto tag) {
       using T = decltype(tag);
       L2Op<T> op{};
-      launch_planned<kMaxThreads, 1, 1>(groups[gi].second.first, groups[gi].second.second, chunk,
+      launch_planned<1>(groups[gi].second.first, groups[gi].second.second, chunk,
                                      plans[gi], op, [&](L2Op<T>& o, int, const LaunchPlan& pl) {
                                        o.partials = base + offset;
                                        offset += pl.grid;

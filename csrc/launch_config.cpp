@@ -11,8 +11,7 @@ LaunchConfig& launch_config() {
   return cfg;
 }
 
-void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems,
-                       int64_t prefetch_steps, int64_t variant) {
+void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems) {
   LaunchConfig& cfg = launch_config();
   if (threads > 0) {
     TORCH_CHECK(threads % 32 == 0 && threads <= kMaxThreads,
@@ -21,16 +20,11 @@ void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_ele
   }
   if (blocks_per_sm >= 0) cfg.blocks_per_sm = static_cast<int>(blocks_per_sm);
   if (chunk_elems > 0) cfg.chunk_elems = chunk_elems;
-  if (prefetch_steps >= 0) cfg.prefetch_steps = static_cast<int>(prefetch_steps);
-  if (variant >= 0) {
-    TORCH_CHECK(variant <= 1, "mpzero: variant must be 0 or 1");
-    cfg.variant = static_cast<int>(variant);
-  }
 }
 
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> get_launch_config() {
+std::tuple<int64_t, int64_t, int64_t> get_launch_config() {
   const LaunchConfig& cfg = launch_config();
-  return {cfg.threads, cfg.blocks_per_sm, cfg.chunk_elems, cfg.prefetch_steps, cfg.variant};
+  return {cfg.threads, cfg.blocks_per_sm, cfg.chunk_elems};
 }
 
 }  // namespace mpzero

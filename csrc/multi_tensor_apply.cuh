@@ -18,9 +18,11 @@
 // chunk of tensor t, and `finish()` (end of the block's work, e.g. a block reduction).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -65,12 +67,6 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
-}
-
-// Ask L2 to fetch the line holding p (no register result, no fault semantics needed:
-// callers only prefetch inside the tensor).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
@@ -161,10 +157,11 @@ __device__ __forceinline__ void store1_out(OutKind k, void* base, int64_t i, flo
 // ---------------------------------------------------------------------------------------
 // The kernel.
 
-// MAXT/MINB: __launch_bounds__ (register cap = 64K / (MAXT * MINB)). Ops with
-// `kTunable` also get a (256, 3) instantiation, chosen at run time by LaunchConfig::variant.
-template <int DEPTH, class Op, int MAXT = kMaxThreads, int MINB = 1>
-__global__ void __launch_bounds__(MAXT, MINB)
+// __launch_bounds__(512, 1): the Adam kernels use up to ~128 registers, one 512-thread block
+// per SM (16 warps, each thread with 8 x 16-byte loads in flight). A (256, 3) bound (80
+// registers, 24 warps) and L2 prefetching were measured slower (docs/kernels-notes.md).
+template <int DEPTH, class Op>
+__global__ void __launch_bounds__(kMaxThreads, 1)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, int64_t chunk, Op op) {
   if (op.init()) return;  // uniform across the grid: a device flag said "change nothing"
   const int64_t total = meta.chunk_begin[meta.ntensors];
@@ -217,7 +214,7 @@ inline int device_sm_count() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
-template <int DEPTH, class Op, int MAXT, int MINB>
+template <int DEPTH, class Op>
 int blocks_per_sm_for(int threads) {
   const LaunchConfig& cfg = launch_config();
   if (cfg.blocks_per_sm > 0) return cfg.blocks_per_sm;
@@ -228,24 +225,18 @@ int blocks_per_sm_for(int threads) {
   if (n == 0) {
     int k = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &k, multi_tensor_kernel<DEPTH, Op, MAXT, MINB>, threads, 0));
+        &k, multi_tensor_kernel<DEPTH, Op>, threads, 0));
     n = k > 0 ? k : 1;
   }
   return n;
 }
 
-template <int MAXT>
-int threads_for() {
-  return std::min(launch_config().threads, MAXT);
-}
-
 // Cut the (non-empty) tensors into launches of at most kMaxT tensors.
-template <int DEPTH, class Op, int MAXT = kMaxThreads, int MINB = 1>
+template <int DEPTH, class Op>
 std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk) {
   constexpr int kMaxT = TensorListMeta<DEPTH>::kMaxT;
-  const int threads = threads_for<MAXT>();
-  const int64_t max_grid =
-      (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op, MAXT, MINB>(threads);
+  const int threads = launch_config().threads;
+  const int64_t max_grid = (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op>(threads);
   std::vector<LaunchPlan> plans;
   const int n = static_cast<int>(numel.size());
   for (int first = 0; first < n; first += kMaxT) {
@@ -259,11 +250,11 @@ std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t
 
 // Launch `op` over tensors given by DEPTH pointers each. `prepare(op, launch_index, plan)`
 // may adjust the op per launch (e.g. where a reduction writes its partial sums).
-template <int MAXT, int MINB, int DEPTH, class Op, class Prepare>
+template <int DEPTH, class Op, class Prepare>
 void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
                     const std::vector<int64_t>& numel, int64_t chunk,
                     const std::vector<LaunchPlan>& plans, Op op, Prepare&& prepare) {
-  const int threads = threads_for<MAXT>();
+  const int threads = launch_config().threads;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (size_t li = 0; li < plans.size(); ++li) {
     const LaunchPlan& pl = plans[li];
@@ -278,29 +269,16 @@ void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
     meta.chunk_begin[pl.count] = acc;
     meta.ntensors = pl.count;
     prepare(op, static_cast<int>(li), pl);
-    multi_tensor_kernel<DEPTH, Op, MAXT, MINB><<<pl.grid, threads, 0, stream>>>(meta, chunk, op);
+    multi_tensor_kernel<DEPTH, Op><<<pl.grid, threads, 0, stream>>>(meta, chunk, op);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-template <int DEPTH, class Op, int MAXT, int MINB>
-void launch_multi_tensor_bounds(const std::vector<std::array<void*, DEPTH>>& ptrs,
-                                const std::vector<int64_t>& numel, int64_t chunk, Op op) {
-  auto plans = plan_launches<DEPTH, Op, MAXT, MINB>(numel, chunk);
-  auto none = [](Op&, int, const LaunchPlan&) {};
-  launch_planned<MAXT, MINB, DEPTH>(ptrs, numel, chunk, plans, op, none);
 }
 
 template <int DEPTH, class Op>
 void launch_multi_tensor(const std::vector<std::array<void*, DEPTH>>& ptrs,
                          const std::vector<int64_t>& numel, int64_t chunk, Op op) {
-  if constexpr (Op::kTunable) {
-    if (launch_config().variant == 1) {
-      launch_multi_tensor_bounds<DEPTH, Op, 256, 3>(ptrs, numel, chunk, op);
-      return;
-    }
-  }
-  launch_multi_tensor_bounds<DEPTH, Op, kMaxThreads, 1>(ptrs, numel, chunk, op);
+  auto plans = plan_launches<DEPTH, Op>(numel, chunk);
+  launch_planned<DEPTH>(ptrs, numel, chunk, plans, op, [](Op&, int, const LaunchPlan&) {});
 }
 
 // Chunk size in elements, rounded to whole V-wide steps of a block (so that chunk starts

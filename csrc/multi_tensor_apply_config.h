@@ -8,8 +8,6 @@ struct LaunchConfig {
   int threads = 512;            // threads per block (<= kMaxThreads)
   int blocks_per_sm = 0;        // 0: as many as the occupancy calculator allows
   int64_t chunk_elems = 16384;  // elements per chunk (rounded to whole block steps)
-  int prefetch_steps = 0;       // Adam: prefetch to L2 this many block steps ahead (0: off)
-  int variant = 0;  // hot Adam kernels: 0 = bounds (512, 1), 1 = bounds (256, 3), <= 80 regs
 };
 LaunchConfig& launch_config();
 

@@ -171,21 +171,12 @@ def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
     _C.multi_copy(list(srcs), list(dsts), noop_flag)
 
 
-def set_launch_config(
-    threads: int = 0,
-    blocks_per_sm: int = -1,
-    chunk_elems: int = 0,
-    prefetch_steps: int = -1,
-    variant: int = -1,
-) -> None:
-    """Tuning knob for benchmarks. ``threads``/``chunk_elems``: 0 keeps the current value;
-    ``blocks_per_sm``: -1 keeps it, 0 means as many as the occupancy calculator allows;
-    ``prefetch_steps`` (Adam kernels: L2 prefetch distance in block steps): -1 keeps it;
-    ``variant`` (hot Adam kernels: 0 = launch bounds (512, 1), 1 = (256, 3)): -1 keeps it."""
-    _C.set_launch_config(
-        int(threads), int(blocks_per_sm), int(chunk_elems), int(prefetch_steps), int(variant)
-    )
+def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:
+    """Tuning knob for benchmarks and tests. ``threads``/``chunk_elems``: 0 keeps the current
+    value; ``blocks_per_sm``: -1 keeps it, 0 means as many as the occupancy calculator allows.
+    Defaults (512, 0, 16384) were the fastest measured (docs/kernels-notes.md)."""
+    _C.set_launch_config(int(threads), int(blocks_per_sm), int(chunk_elems))
 
 
-def get_launch_config() -> tuple[int, int, int, int, int]:
+def get_launch_config() -> tuple[int, int, int]:
     return tuple(_C.get_launch_config())

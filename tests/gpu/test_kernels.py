@@ -102,7 +102,7 @@ BASE = dict(lr=1e-2, weight_decay=0.01, step=5, **HP)
 
 def test_dispatch_uses_extension():
     assert kernels.extension_available()
-    assert len(kc.get_launch_config()) == 5
+    assert len(kc.get_launch_config()) == 3
 
 
 @pytest.mark.parametrize("pdt", F)
@@ -427,14 +427,7 @@ def test_multi_copy_noop_and_many():
 
 def test_launch_config_variants_agree():
     old = kc.get_launch_config()
-    configs = [
-        (512, 0, 16384, 0, 0),
-        (256, 2, 4096, 0, 0),
-        (512, 0, 65536, 1, 0),
-        (128, 3, 1000, 2, 0),
-        (256, 0, 16384, 0, 1),
-        (512, 0, 65536, 2, 1),
-    ]
+    configs = [(512, 0, 16384), (256, 2, 4096), (512, 0, 65536), (128, 3, 1000), (64, 1, 1)]
     try:
         for cfg in configs:
             kc.set_launch_config(*cfg)
