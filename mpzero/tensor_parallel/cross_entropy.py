@@ -29,7 +29,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         start, end = vocab_range(shifted.shape[-1], tp_rank(group))
         outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
+        local_target = (target.long() - start).masked_fill(outside, 0)
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         stats = [predicted.masked_fill(outside, 0.0)]
         if label_smoothing > 0.0:

@@ -17,6 +17,7 @@ from one seed holds the same weights at any TP size, and on CPU or CUDA.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -75,6 +76,19 @@ class _TensorParallelModule(nn.Module):
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size = tp_world_size(self.tp_group)
         self.tp_rank = tp_rank(self.tp_group)
+
+    def __deepcopy__(self, memo: dict) -> _TensorParallelModule:
+        # A process group is a process-wide handle that cannot be copied: share it.
+        memo.setdefault(id(self.tp_group), self.tp_group)
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        # Parameter.__deepcopy__ drops Python attributes such as tensor_model_parallel.
+        for name, param in self.named_parameters(recurse=False):
+            for attr, value in vars(param).items():
+                if not hasattr(getattr(new, name), attr):
+                    setattr(getattr(new, name), attr, value)
+        return new
 
 
 def _param(shape: tuple[int, ...], params_dtype, device) -> nn.Parameter:

@@ -5,6 +5,8 @@ input and output gradient through it, and compares the TP layer's output, input
 gradient and its block of the weight/bias gradients.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,6 +181,12 @@ def _check_attributes(tp):
     assert no_bias.bias is None and [n for n, _ in no_bias.named_parameters()] == ["weight"]
     out, b = RowParallelLinear(8, 4, bias=False, skip_bias_add=True)(torch.ones(2, 8))
     assert b is None and out.shape == (2, 4)
+    # deepcopy (e.g. for an EMA model) shares the process group and copies the weights.
+    clone = copy.deepcopy(col)
+    assert clone.tp_group is col.tp_group and clone.tp_rank == col.tp_rank
+    assert torch.equal(clone.weight, col.weight)
+    assert clone.weight.data_ptr() != col.weight.data_ptr() and clone.weight.tensor_model_parallel
+    torch.testing.assert_close(clone(torch.ones(2, 4))[0], col(torch.ones(2, 4))[0])
 
 
 def _check_layers(tp):
