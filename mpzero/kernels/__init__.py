@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpzero.kernels import reference
+from mpzero.kernels import cpu, reference
 
 try:  # the CUDA extension is optional
     from mpzero.kernels import cuda as _cuda
@@ -99,6 +99,10 @@ def adam(
         found_inf=found_inf,
     )
     if len(params) == 0:
+        return
+    if cpu.supported(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction):
+        kw.pop("bias_correction")
+        cpu.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
         return
     if _on_cuda(params, grads, exp_avgs, exp_avg_sqs, params_out) and _cuda.adam_supported(
         params, grads, exp_avgs, exp_avg_sqs, params_out

@@ -280,6 +280,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                               self.distributed_process_group, self.redundant_process_group,
                               rank, self.average_grad_sync,
                               on_first_collective=self._check_fingerprint, persistent=grad_views)
+        for bucket in self._grad.buckets:
+            bucket.stable_shard = self.capturable
         if self._nccl_pool is not None:
             with self._nccl_pool.allocate():  # reduce-scatter outputs from the same pool
                 for bucket in self._grad.buckets:

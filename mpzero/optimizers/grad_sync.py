@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mpzero.comm import CommContext, Pending
+from mpzero.comm import CommContext, Pending, group_size
 from mpzero.optimizers.layout import BucketLayout, Fragment, fragments_by_param
 
 
@@ -46,6 +46,10 @@ class GradBucket:
         self.persistent = persistent  # view into the contiguous grad buffer, if any
         # nccl_ub: the reduce-scatter output, allocated once from the registered pool.
         self.persistent_incoming: torch.Tensor | None = None
+        # capturable: the reduced shard keeps one address across steps (CUDA graphs).
+        self.stable_shard = False
+        # Both groups are this rank alone: no collective, no copy.
+        self.local_only = False
         self.dtype = dtype
         self.device = device
         self.dist_rank = dist_rank
@@ -103,6 +107,13 @@ class GradBucket:
             self.start_fill()
         if self.persistent_incoming is not None:
             self._incoming = self.persistent_incoming
+        elif self.local_only and self.persistent is None and not self.stable_shard:
+            # One rank in both groups: the bucket buffer is already the reduced shard.
+            self._incoming = self.buffer
+            self.state = GradState.SYNCING
+            self._pending = None
+            self.launched_since_reset = True
+            return
         else:
             self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype,
                                          device=self.device)
@@ -113,14 +124,16 @@ class GradBucket:
 
     def finish_sync(self) -> None:
         self._assert_state(GradState.SYNCING)
-        self._pending.wait()
-        if self._shard is None:
-            persistent = self.persistent_incoming is not None
-            self._shard = self._incoming.clone() if persistent else self._incoming
-        elif self.shard_valid:
+        if self._pending is not None:
+            self._pending.wait()
+        if self.shard_valid:
             self._shard.add_(self._incoming)
+        elif self._shard is not None and self.stable_shard:
+            self._shard.copy_(self._incoming)  # keep the address (CUDA graphs)
+        elif self.persistent_incoming is not None:
+            self._shard = self._incoming.clone()
         else:
-            self._shard.copy_(self._incoming)
+            self._shard = self._incoming
         self.shard_valid = True
         self._pending, self._incoming, self.buffer = None, None, None
         self.arrived = set()
@@ -147,6 +160,9 @@ class GradSync:
         views = persistent if persistent is not None else [None] * len(layouts)
         self.buckets = [GradBucket(lay, dt, device, dist_rank, view)
                         for lay, dt, view in zip(layouts, dtypes, views)]
+        local = group_size(distributed_group) == 1 and group_size(redundant_group) == 1
+        for b in self.buckets:
+            b.local_only = local
         self.ctx = ctx
         self.distributed_group = distributed_group
         self.redundant_group = redundant_group

@@ -60,7 +60,9 @@ class ParamBucket:
         if self.persistent is not None:
             self.full = self.persistent
         else:
-            self.full = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+            # Uninitialized: the step writes every fragment of the shard, and gaps between
+            # fragments are gathered but never copied into a parameter.
+            self.full = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
         self.state = ParamState.STALE
         lo, hi = self.layout.shard_range(self.dist_rank)
         return self.full[lo:hi]
