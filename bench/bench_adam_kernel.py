@@ -113,6 +113,66 @@ def case_mixed(n, iters):
     return _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters), 28
 
 
+def case_fp32_unbalanced(n, iters):
+    from mpzero.kernels import cuda as kc
+
+    kc.set_chunk_balancing(False)
+    try:
+        return case_fp32(n, iters)
+    finally:
+        kc.set_chunk_balancing(True)
+
+
+def _graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _one_placement(n, iters, pad_mb):
+    pad = torch.empty(pad_mb * 2**20, dtype=torch.uint8, device="cuda")  # noqa: F841
+    p, g, m, v, _ = _adam_lists(n, torch.float32, torch.float32, None)
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+
+    def fn():
+        kernels.adam(p, g, m, v, lr=1e-4, step=10, **HP)
+
+    eager, _ = _time(fn, iters)
+    graph_ms, _ = _time(_graph_of(fn).replay, iters)
+    eager2, _ = _time(fn, iters)
+    copy_ms, _ = _time(lambda: dst.copy_(src), iters)
+    return dict(pad_mb=pad_mb, eager=eager, graph=graph_ms, eager2=eager2, copy=copy_ms)
+
+
+def placements(n, iters, count, seed=0):
+    """Time the fp32 kernel (eager, graph replay, eager again) and a copy on ``count``
+    different allocations of the same size (a random padding allocation before each set
+    moves the buffers' physical placement), to separate placement from kernel effects."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        torch.cuda.empty_cache()
+        row = _one_placement(n, iters, rng.randrange(1, 512))
+        rows.append(row)
+        tb = {k: (8 if k == "copy" else 28) * n / row[k] / 1e9 for k in row if k != "pad_mb"}
+        print(
+            f"  placement {i} pad {row['pad_mb']:4d} MB: copy {tb['copy']:.3f} TB/s  "
+            f"fp32 eager {tb['eager']:.3f}  graph {tb['graph']:.3f}  "
+            f"eager again {tb['eager2']:.3f} TB/s  (eager / copy {tb['eager'] / tb['copy']:.3f})",
+            flush=True,
+        )
+    return rows
+
+
 def _capturable_args():
     return dict(
         lr=torch.tensor(1e-4, device="cuda"),
@@ -131,15 +191,7 @@ def case_capturable(n, iters):
 def case_capturable_graph(n, iters):
     lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
     kw = _capturable_args()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        kernels.adam(*lists, **kw)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kernels.adam(*lists, **kw)
-    return _time(graph.replay, iters), 28
+    return _time(_graph_of(lambda: kernels.adam(*lists, **kw)).replay, iters), 28
 
 
 def case_remainders(n, iters):
@@ -158,6 +210,7 @@ CASES = [
     ("D2D copy (ceiling)", case_copy),
     ("torch AdamW fused fp32", case_torch_fused),
     ("mpzero fp32", case_fp32),
+    ("mpzero fp32, chunks unbalanced", case_fp32_unbalanced),
     ("mpzero mixed", case_mixed),
     ("mpzero capturable mixed", case_capturable),
     ("mpzero capturable mixed, graph", case_capturable_graph),
@@ -193,6 +246,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cases", default=None, help="comma-separated row-name substrings")
+    ap.add_argument(
+        "--placements", type=int, default=0,
+        help="first time fp32 + copy on this many allocations at the smallest size",
+    )
     args = ap.parse_args()
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     if not torch.cuda.is_available():
@@ -208,6 +265,8 @@ def main() -> None:
         best, rows = sweep(max(sizes), args.iters)
         result["sweep"] = [{"config": c, "ms": ms} for c, ms in rows]
         print(f"best launch config (threads, blocks/SM, chunk): {best}")
+    if args.placements:
+        result["placements"] = placements(min(sizes), args.iters, args.placements)
     result["config"] = list(kc.get_launch_config())
     cases = CASES
     if args.cases:

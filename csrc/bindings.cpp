@@ -26,4 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
         py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));
   m.def("get_launch_config", &mpzero::get_launch_config);
+  m.def("set_chunk_balancing", &mpzero::set_chunk_balancing,
+        "Elementwise kernels: balance chunks over the grid (default on)", py::arg("on"));
+  m.def("chunk_balancing", &mpzero::chunk_balancing);
 }

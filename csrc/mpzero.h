@@ -37,4 +37,6 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);
 std::tuple<int64_t, int64_t, int64_t> get_launch_config();
+void set_chunk_balancing(bool on);
+bool chunk_balancing();
 }  // namespace mpzero

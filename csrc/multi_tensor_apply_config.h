@@ -8,6 +8,8 @@ struct LaunchConfig {
   int threads = 512;            // threads per block (<= kMaxThreads)
   int blocks_per_sm = 0;        // 0: as many as the occupancy calculator allows
   int64_t chunk_elems = 16384;  // elements per chunk (rounded to whole block steps)
+  bool balance_chunks = true;   // elementwise launches: pick the chunk near chunk_elems
+                                // that spreads the work most evenly over the grid
 };
 LaunchConfig& launch_config();
 

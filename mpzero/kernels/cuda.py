@@ -17,6 +17,8 @@ __all__ = [
     "multi_copy",
     "set_launch_config",
     "get_launch_config",
+    "set_chunk_balancing",
+    "chunk_balancing",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -180,3 +182,14 @@ def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: in
 
 def get_launch_config() -> tuple[int, int, int]:
     return tuple(_C.get_launch_config())
+
+
+def set_chunk_balancing(on: bool) -> None:
+    """Elementwise kernels (Adam, copy): choose, near the configured chunk size, the chunk
+    that spreads the work most evenly over the persistent grid (default on). Results do
+    not depend on it; only the time does."""
+    _C.set_chunk_balancing(bool(on))
+
+
+def chunk_balancing() -> bool:
+    return bool(_C.chunk_balancing())

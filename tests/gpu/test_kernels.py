@@ -444,6 +444,29 @@ def test_launch_config_variants_agree():
         kc.set_launch_config(*old)
 
 
+def test_chunk_balancing_changes_no_bits():
+    """Balancing picks another chunk size (sizes chosen so that it does: 4 x 1M elements
+    on one block per SM); the elementwise kernels must produce the same bits either way."""
+    assert kc.chunk_balancing()
+    sizes = [2**20 + 13, 2**20, 2**20 - 8, 3 * 2**18 + 1]
+    outs = []
+    try:
+        for on in (True, False):
+            kc.set_chunk_balancing(on)
+            gen = torch.Generator(device=DEV).manual_seed(4242)
+            f32, b16 = torch.float32, torch.bfloat16
+            p, g, m, v, out = _adam_inputs(sizes, f32, b16, b16, gen)
+            kernels.adam(p, g, m, v, out, **BASE)
+            raw = [_poison(n, torch.float32) for n in sizes]
+            kernels.multi_copy(p, raw)
+            outs.append(p + m + v + out + raw)
+    finally:
+        kc.set_chunk_balancing(True)
+    for a, b in zip(*outs):
+        assert not torch.isnan(a).any()
+        assert _same_bits(a, b)
+
+
 # ---- bit-exactness: the kernels compute the reference's bits -------------------------------
 
 

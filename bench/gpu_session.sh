@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device call, in priority order: build mpzero._C, run the GPU tests, time the kernels,
+# run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
+#
+#   bash bench/gpu_session.sh [build] [tests] [kernels] [gpt]     (no argument: all four)
+#
+# Each stage prints its wall time; a failing stage does not stop the later ones.
+set -u -o pipefail
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+stages=${*:-build tests kernels gpt}
+status=0
+
+stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report time and exit code
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+gpt() {  # gpt TAG OPTIMIZER: a GPT-2-small-shaped model, bf16, one GPU
+  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py \
+    --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
+    --micro-batch-size 16 --global-batch-size 64 --train-iters 60 --bf16 \
+    --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 10 \
+    --eval-interval 60 --eval-iters 2 --no-progress --optimizer "$2" \
+    --data-dir "$OUT/gpt-data" --log-file "$OUT/gpt-$1.jsonl"
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv \
+  | tee "$OUT/nvidia-smi.txt"
+for s in $stages; do
+  case $s in
+    build) MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 MPZERO_BUILD_CUDA=1 \
+             stage build python3 -m pip install --no-build-isolation --no-deps -e . ;;
+    tests) stage tests python3 -m pytest -q tests/gpu tests/tensor_parallel/test_tp_cuda.py \
+             --timeout 300 -rs ;;
+    kernels) stage kernels python3 bench/bench_adam_kernel.py --repeat 3 --placements 6 \
+               --json "$OUT/bench_adam_kernel.json" ;;
+    gpt) stage gpt-dfa gpt dfa dfa
+         stage gpt-adamw gpt adamw adamw ;;
+    *) echo "unknown stage $s"; status=1 ;;
+  esac
+done
+exit $status
