@@ -28,7 +28,7 @@ gpt() {  # gpt TAG OPTIMIZER: a GPT-2-small-shaped model, bf16, one GPU
     --micro-batch-size 16 --global-batch-size 64 --train-iters 60 --bf16 \
     --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 10 \
     --eval-interval 60 --eval-iters 2 --no-progress --optimizer "$2" \
-    --data-dir "$OUT/gpt-data" --log-file "$OUT/gpt-$1.jsonl"
+    --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}" --log-file "$OUT/gpt-$1.jsonl"
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv \
@@ -38,7 +38,7 @@ for s in $stages; do
     build) MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0 MPZERO_BUILD_CUDA=1 \
              stage build python3 -m pip install --no-build-isolation --no-deps -e . ;;
     tests) stage tests python3 -m pytest -q tests/gpu tests/tensor_parallel/test_tp_cuda.py \
-             --timeout 300 -rs ;;
+             --timeout 300 -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" ;;
     kernels) stage kernels python3 bench/bench_adam_kernel.py --repeat 3 --placements 6 \
                --json "$OUT/bench_adam_kernel.json" ;;
     gpt) stage gpt-dfa gpt dfa dfa

@@ -28,9 +28,14 @@ class DataParallelAdamW:
     replicated ones once, like DistributedFusedAdam's.
     """
 
-    def __init__(self, param_groups, dp_group, model_parallel_group=None, **kwargs) -> None:
-        self.optimizer = torch.optim.AdamW(param_groups, **kwargs)
+    def __init__(self, param_groups, dp_group, model_parallel_group=None,
+                 bucket_cap_mb: float = 100.0, **kwargs) -> None:
+        on_cuda = all(p.is_cuda for g in param_groups for p in g["params"])
+        # CUDA: torch's fused kernel (the strongest torch peer); CPU: the default.
+        self.optimizer = torch.optim.AdamW(param_groups, fused=True if on_cuda else None,
+                                           **kwargs)
         self.dp_group, self.model_parallel_group = dp_group, model_parallel_group
+        self.bucket_bytes = int(bucket_cap_mb * 2**20)
         self._synced = False
         self._skip_sync = False
 
@@ -51,22 +56,32 @@ class DataParallelAdamW:
         if self._synced:
             return
         world = dist.get_world_size(self.dp_group)
+        grads = []
         for p in self._params():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if world > 1:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-                p.grad.div_(world)
+            grads.append(p.grad)
+        if world > 1:
+            # DDP-style: flat buckets of about bucket_cap_mb, one all-reduce each.
+            for bucket in _buckets(grads, self.bucket_bytes):
+                flat = torch._utils._flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
+                flat.div_(world)
+                for g, f in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(f)
         self._synced = True
 
     def grad_norm(self) -> torch.Tensor:
         self.grad_sync()
         tp_rank = (parallel_state.get_tensor_model_parallel_rank()
                    if self.model_parallel_group is not None else 0)
-        sq = torch.zeros((), dtype=torch.float32)
-        for p in self._params():
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                sq = sq + p.grad.detach().float().pow(2).sum().cpu()
+        mine = [p.grad.detach() for p in self._params()
+                if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+        device = next(self._params()).device
+        sq = torch.zeros((), dtype=torch.float32, device=device)
+        if mine:
+            norms = torch._foreach_norm(mine)
+            sq = torch.stack([n.float() for n in norms]).pow(2).sum()
         if self.model_parallel_group is not None:
             dist.all_reduce(sq, group=self.model_parallel_group)
         return sq.sqrt()
@@ -94,6 +109,21 @@ class DataParallelAdamW:
         self.optimizer.load_state_dict(state)
 
 
+def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of same-dtype tensors of at most ``cap_bytes`` (at least one each)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > cap_bytes or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_decay: float,
                     betas: tuple[float, float], eps: float, device: torch.device,
                     overlap_grad_sync: bool = True, overlap_param_sync: bool = False,
@@ -103,8 +133,8 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
     mp_group = parallel_state.get_model_parallel_group()
     if name == "adamw":
         return DataParallelAdamW(groups, parallel_state.get_data_parallel_group(),
-                                 model_parallel_group=mp_group, lr=lr, betas=betas, eps=eps,
-                                 weight_decay=weight_decay)
+                                 model_parallel_group=mp_group, bucket_cap_mb=bucket_cap_mb,
+                                 lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if name != "dfa":
         raise ValueError(f"optimizer must be 'dfa' or 'adamw', got {name!r}")
     from mpzero.optimizers import DistributedFusedAdam

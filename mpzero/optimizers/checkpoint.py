@@ -70,7 +70,8 @@ def gather_state_dict(opt) -> dict:
     state: dict = {}
     for i, p in enumerate(opt._params):
         if i in opt._keys:
-            state[i] = {k: torch.zeros(p.shape, dtype=torch.float32) for k in STATE_KEYS}
+            state[i] = {k: torch.zeros(p.shape, dtype=torch.float32, device="cpu")
+                        for k in STATE_KEYS}
     for b, lay in enumerate(opt._layouts):
         for key, shard in _shard_tensors(opt, b).items():
             full = torch.empty(lay.size, dtype=shard.dtype, device=shard.device)

@@ -22,7 +22,7 @@ class ScaledStates:
         self.dtype = dtype
         self.n = len(ranges)
         # Element -> piece id; gaps map to the extra id n (scale fixed at 1).
-        ids = torch.full((shard_size,), self.n, dtype=torch.int64)
+        ids = torch.full((shard_size,), self.n, dtype=torch.int64, device="cpu")
         for j, (lo, hi) in enumerate(ranges):
             ids[lo:hi] = j
         self.ids = ids.to(device)

@@ -63,7 +63,10 @@ def test_dfa_on_cuda_nccl(fn, module, args):
     out = run_on_world(1, _on_cuda, fn, module, *args, backend="nccl", timeout=300)
     if isinstance(out[0], str) and out[0].startswith("unsupported"):
         pytest.skip(out[0])
-    assert out[0] is True
+    if fn == "_scaled_states":  # returns (error with scales, error without), as on gloo
+        assert out[0][0] < 5e-2, out[0]
+    else:
+        assert out[0] is True
 
 
 def _graph_captured_step():
