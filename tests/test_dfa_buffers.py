@@ -92,9 +92,9 @@ def _remainders():
     sd = opt.state_dict()
     for i, (p, rp) in enumerate(zip(model.parameters(), ref_params)):
         got = sd["state"][i]["param"]
-        torch.testing.assert_close(got, rp.detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got, rp.detach().cpu(), rtol=RTOL, atol=ATOL)
         # The model's bf16 is exactly the high half of the reconstructed master.
-        assert torch.equal(p.detach(), split_remainder(got)[0])
+        assert torch.equal(p.detach().cpu(), split_remainder(got)[0])
     return True
 
 
@@ -174,12 +174,12 @@ def _scaled_states(dtype_name, loss_scale):
             (sum(loss_fn(ref, *data[s][r][0]) for r in range(world)) * loss_scale / world)\
                 .backward()
             ropt.step()
-        err = max((sd["state"][i]["param"] - q.detach()).abs().max().item()
+        err = max((sd["state"][i]["param"] - q.detach().cpu()).abs().max().item()
                   for i, q in enumerate(ref.parameters()))
         errors.append(err)
         if scaled:
             for i, q in enumerate(ref.parameters()):
-                ref_v = ropt.state[q]["exp_avg_sq"]
+                ref_v = ropt.state[q]["exp_avg_sq"].cpu()
                 rtol = 2e-2 if dtype == torch.float16 else 8e-2
                 torch.testing.assert_close(sd["state"][i]["exp_avg_sq"], ref_v,
                                            rtol=rtol, atol=1e-30)
