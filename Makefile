@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements-ci.txt pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q pip==26.3 setuptools==84.2.1 wheel==0.48.0
 	$(PY) -m pip install -q -r requirements-ci.txt
 	MPZERO_BUILD_CUDA=0 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)

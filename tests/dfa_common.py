@@ -80,6 +80,24 @@ def param_groups(model, mode):
              "eps": 1e-6}]
 
 
+
+def train_split_steps(model, opt, data, steps, global_micro):
+    """Steps whose loss sums ``global_micro`` micro-batches (``data[s][i][0]``), split
+    evenly over the current ranks, with ``no_sync()`` for all but each rank's last."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = global_micro // world
+    for s in steps:
+        opt.zero_grad()
+        for j in range(per):
+            x, y = data[s][rank * per + j][0]
+            loss = loss_fn(model, x, y) * (world / global_micro)
+            if j < per - 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+
 def reference_step(ref, ref_opt, data_step, world, average=True, clip=None):
     ref_opt.zero_grad()
     total = 0

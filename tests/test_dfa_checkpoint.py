@@ -6,30 +6,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import batches, groups_for, loss_fn, make_model
+from dfa_common import batches, groups_for, make_model, train_split_steps
 
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers import checkpoint as ckpt
 
 TINY = 24 * 4 / 2**20
 SAVED_WORLD, STEPS, MORE = 4, 2, 2
-
-
-def _run_steps(model, opt, data, steps, world_now):
-    """Steps over the global batch of SAVED_WORLD ranks, split over world_now ranks."""
-    rank = dist.get_rank()
-    per = SAVED_WORLD // world_now
-    for s in steps:
-        opt.zero_grad()
-        mine = [data[s][rank * per + j][0] for j in range(per)]
-        for j, (x, y) in enumerate(mine):
-            loss = loss_fn(model, x, y) * (world_now / SAVED_WORLD)
-            if j < per - 1:
-                with opt.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-        opt.step()
 
 
 def _make(grid, bucket, reverse_init=False):
@@ -48,19 +31,18 @@ def _make(grid, bucket, reverse_init=False):
 def _save(path):
     model, opt = _make("2x2", TINY)
     data = batches(SAVED_WORLD, STEPS + MORE, 1)
-    _run_steps(model, opt, data, range(STEPS), SAVED_WORLD)
+    train_split_steps(model, opt, data, range(STEPS), SAVED_WORLD)
     opt.param_groups[1]["lr"] = 4e-3  # changed by the user: must be restored on load
     sd = opt.state_dict()
     ckpt.save_sharded(opt, path + "-sharded")
     if dist.get_rank() == 0:
         torch.save({"model": model.state_dict(), "optim": sd}, path)
     dist.barrier()
-    _run_steps(model, opt, data, range(STEPS, STEPS + MORE), SAVED_WORLD)
+    train_split_steps(model, opt, data, range(STEPS, STEPS + MORE), SAVED_WORLD)
     return [p.detach().clone() for p in model.parameters()], sd["state"][0]["exp_avg"]
 
 
 def _resume(path, grid, bucket, reverse_init, sharded):
-    world = dist.get_world_size()
     saved = torch.load(path, weights_only=False)
     model, opt = _make(grid, bucket, reverse_init)
     model.load_state_dict(saved["model"])
@@ -77,7 +59,7 @@ def _resume(path, grid, bucket, reverse_init, sharded):
         for k in ("param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(sd["state"][i][k], st[k]), (i, k)
     data = batches(SAVED_WORLD, STEPS + MORE, 1)
-    _run_steps(model, opt, data, range(STEPS, STEPS + MORE), world)
+    train_split_steps(model, opt, data, range(STEPS, STEPS + MORE), SAVED_WORLD)
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -165,7 +147,7 @@ def _in_memory_sharded():
     """sharded_state_dict() of every rank (2x... here flat 2) loads into a 1-bucket layout."""
     model, opt = _make("flat", TINY)
     data = batches(SAVED_WORLD, STEPS, 1)
-    _run_steps(model, opt, data, range(STEPS), dist.get_world_size())
+    train_split_steps(model, opt, data, range(STEPS), SAVED_WORLD)
     pieces = [None] * dist.get_world_size()
     dist.all_gather_object(pieces, opt.sharded_state_dict())
     other_model, other = _make("flat", 100.0, reverse_init=True)

@@ -5,7 +5,7 @@ format-2 hops) ending where an uninterrupted 8-rank run ends."""
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import batches, groups_for, loss_fn, make_model, train_compare
+from dfa_common import batches, groups_for, make_model, train_compare, train_split_steps
 
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers import checkpoint as ckpt
@@ -38,23 +38,6 @@ def _make(grid, bucket):
     return model, opt
 
 
-def _steps(model, opt, data, steps):
-    """Each step sums the loss of GLOBAL micro-batches, spread over the current ranks."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    per = GLOBAL // world
-    for s in steps:
-        opt.zero_grad()
-        for j in range(per):
-            x, y = data[s][rank * per + j][0]
-            loss = loss_fn(model, x, y) * (world / GLOBAL)
-            if j < per - 1:
-                with opt.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
-        opt.step()
-
-
 def _hop(index, path):
     """Hop ``index`` of HOPS: load the previous hop's checkpoint (if any), train
     STEPS_PER_HOP steps, save for the next hop; return the params."""
@@ -72,7 +55,7 @@ def _hop(index, path):
         assert opt.state_dict()["state"]["step"] == index * STEPS_PER_HOP
     data = batches(GLOBAL, STEPS_PER_HOP * len(HOPS), 1)
     first = index * STEPS_PER_HOP
-    _steps(model, opt, data, range(first, first + STEPS_PER_HOP))
+    train_split_steps(model, opt, data, range(first, first + STEPS_PER_HOP), GLOBAL)
     if save_as == "sharded":
         ckpt.save_sharded(opt, f"{path}.{index}.sharded")
     elif save_as == "format2":
@@ -88,7 +71,7 @@ def _hop(index, path):
 def _uninterrupted():
     model, opt = _make("4x2", TINY)
     data = batches(GLOBAL, STEPS_PER_HOP * len(HOPS), 1)
-    _steps(model, opt, data, range(STEPS_PER_HOP * len(HOPS)))
+    train_split_steps(model, opt, data, range(STEPS_PER_HOP * len(HOPS)), GLOBAL)
     return [p.detach().clone() for p in model.parameters()]
 
 
