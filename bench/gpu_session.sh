@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call, in priority order: build mpzero._C, run the GPU tests, time the kernels,
-# run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
+# measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
-#   bash bench/gpu_session.sh [build] [tests] [kernels] [gpt]     (no argument: all four)
+#   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt]   (no argument: all)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-stages=${*:-build tests kernels gpt}
+stages=${*:-build tests kernels memory gpt}
 status=0
 
 stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report time and exit code
@@ -41,6 +41,7 @@ for s in $stages; do
              --timeout 300 -rs -p no:cacheprovider --junitxml "$OUT/tests.xml" ;;
     kernels) stage kernels python3 bench/bench_adam_kernel.py --repeat 3 --placements 6 \
                --json "$OUT/bench_adam_kernel.json" ;;
+    memory) stage memory python3 bench/bench_memory.py --bf16 --json "$OUT/bench_memory.json" ;;
     gpt) stage gpt-dfa gpt dfa dfa
          stage gpt-adamw gpt adamw adamw ;;
     *) echo "unknown stage $s"; status=1 ;;

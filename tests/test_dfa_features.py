@@ -265,6 +265,47 @@ def test_overlap_param_sync(world, with_module):
     assert warned == ([0, 0] if with_module else [1, 1])  # warns once without a module
 
 
+def _gathers_in_flight_are_bounded(overlap, pipeline_size):
+    """Full-size gather buffers never exceed ``pipeline_size`` buckets at once (the
+    rest of the model waits as shards), in step()'s sync and in the forward hooks;
+    training still equals AdamW."""
+    from mpzero.optimizers.param_sync import ParamBucket
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY,
+                               overlap_param_sync=overlap, pipeline_size=pipeline_size,
+                               module=model if overlap else None)
+    most, start = [0], ParamBucket.start
+
+    def counting_start(bucket, *args):
+        start(bucket, *args)
+        most[0] = max(most[0], sum(b.full is not None for b in opt._param_sync.buckets))
+
+    ParamBucket.start = counting_start
+    try:
+        data = batches(world, 3, 1)
+        for s in range(3):
+            opt.zero_grad()
+            loss_fn(model, *data[s][rank][0]).backward()
+            opt.step()
+        opt.param_sync()
+    finally:
+        ParamBucket.start = start
+    n_buckets = len(opt._param_sync.buckets)
+    ref = _reference(world, data, 3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    return most[0], n_buckets
+
+
+@pytest.mark.parametrize("overlap,pipeline_size", [(False, 1), (False, 2), (True, 2)])
+def test_gathers_in_flight_are_bounded(world, overlap, pipeline_size):
+    for most, n_buckets in world(2, _gathers_in_flight_are_bounded, overlap, pipeline_size):
+        assert n_buckets > 2 * pipeline_size  # the bound is below the bucket count
+        assert 1 <= most <= pipeline_size
+
+
 # ---------------------------------------------------------------- layout control
 def _init_params_order():
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -145,6 +145,8 @@ class GradBucket:
             self.finish_sync()
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
+        if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
+            self._shard = None
         self.launched_since_reset = False
         self.state = GradState.EMPTY
 

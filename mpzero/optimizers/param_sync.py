@@ -4,10 +4,17 @@ States of a bucket's parameters::
 
     CURRENT --mark_stale--> STALE --start--> GATHERING --finish--> CURRENT
 
-``mark_stale`` hands out the local slice of a full-size buffer (in the
-param-sync dtype) for the step to write its updated shard into; the all-gather
-runs in place over that buffer and :meth:`ParamBucket.finish` copies every
-fragment into its parameter.
+``mark_stale`` hands out a shard-sized buffer (in the param-sync dtype) for the
+step to write its updated shard into; :meth:`ParamBucket.start` allocates the
+full-size buffer only then and gathers into it, and :meth:`ParamBucket.finish`
+copies every fragment into its parameter and frees it. With a contiguous param
+buffer the shard is this rank's slice of the parameters themselves and the
+gather runs in place there (nothing is allocated).
+
+Memory: between ``step()`` and the gathers only the shards are held (P/d
+elements); at most ``pipeline_size`` full buckets are gathering at any time —
+starting one more first finishes the oldest — so the transient of a parameter
+sync is bounded by the bucket size, not by the model size.
 
 Gathers are always *started* in descending bucket order (the forward order of a
 backward-ordered layout), whatever triggered them, so every rank issues the same
@@ -45,6 +52,7 @@ class ParamBucket:
         self.dist_rank = dist_rank
         self.state = ParamState.CURRENT
         self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None  # the updated shard, between step and start
         self._pending: Pending | None = None
 
     def _assert_state(self, *states: ParamState) -> None:
@@ -57,20 +65,24 @@ class ParamBucket:
     def mark_stale(self) -> torch.Tensor:
         """Allocate the gather buffer; return this rank's shard slice for the step to fill."""
         self._assert_state(ParamState.CURRENT)
+        lo, hi = self.layout.shard_range(self.dist_rank)
         if self.persistent is not None:
-            self.full = self.persistent
+            self.shard = self.persistent[lo:hi]
         else:
             # Uninitialized: the step writes every fragment of the shard, and gaps between
             # fragments are gathered but never copied into a parameter.
-            self.full = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
+            self.shard = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
         self.state = ParamState.STALE
-        lo, hi = self.layout.shard_range(self.dist_rank)
-        return self.full[lo:hi]
+        return self.shard
 
     def start(self, ctx: CommContext, group: dist.ProcessGroup | None) -> None:
         self._assert_state(ParamState.STALE)
-        lo, hi = self.layout.shard_range(self.dist_rank)
-        self._pending = ctx.all_gather(self.full[lo:hi], self.full, group)
+        if self.persistent is not None:
+            self.full = self.persistent
+        else:
+            self.full = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
+        self._pending = ctx.all_gather(self.shard, self.full, group)
+        self.shard = None  # the pending gather keeps it alive until it is finished
         self.state = ParamState.GATHERING
 
     def finish(self, params: Sequence[torch.Tensor]) -> None:
@@ -106,6 +118,7 @@ class ParamSync:
         self.params = params
         self.buckets_of_param = {p: [f.bucket for f in frags]
                                  for p, frags in fragments_by_param(layouts).items()}
+        self._gathering: list[int] = []  # bucket indices in the order their gathers started
 
     def mark_stale(self, index: int) -> torch.Tensor:
         return self.buckets[index].mark_stale()
@@ -114,10 +127,16 @@ class ParamSync:
         return any(b.state is not ParamState.CURRENT for b in self.buckets)
 
     def start_through(self, index: int) -> None:
-        """Start the gathers of every stale bucket with index >= ``index``, highest first."""
-        for b in reversed(self.buckets[index:]):
-            if b.state is ParamState.STALE:
-                b.start(self.ctx, self.group)
+        """Start the gathers of every stale bucket with index >= ``index``, highest first,
+        finishing the oldest gather first whenever ``pipeline_size`` are in flight."""
+        for i in range(len(self.buckets) - 1, index - 1, -1):
+            if self.buckets[i].state is ParamState.STALE:
+                self._gathering = [g for g in self._gathering
+                                   if self.buckets[g].state is ParamState.GATHERING]
+                while len(self._gathering) >= self.ctx.pipeline_size:
+                    self.buckets[self._gathering.pop(0)].finish(self.params)
+                self.buckets[i].start(self.ctx, self.group)
+                self._gathering.append(i)
 
     def finish(self, index: int) -> None:
         bucket = self.buckets[index]
