@@ -111,7 +111,7 @@ def measure(name: str, cfg: GPTConfig, world: int, args, device: torch.device) -
             model = GPT(cfg)
         n = sum(p.numel() for p in model.parameters())
         if name.startswith("FSDP2"):
-            opt = _fsdp2(model, device, reshard="reshard" in name, lr=args.lr)
+            opt = _fsdp2(model, device, reshard="ZeRO-3" in name, lr=args.lr)
         elif "contiguous" in name:
             from mpzero.optimizers import DistributedFusedAdam
 

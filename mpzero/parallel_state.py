@@ -30,17 +30,31 @@ AXES = ("tp", "cp", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
-def parse_order(order: str) -> tuple[str, ...]:
-    """Split an order string such as ``"tp-cp-dp-pp"`` into axes, validating it."""
+def parse_order(order: str, sizes: dict[str, int] | None = None) -> tuple[str, ...]:
+    """Split an order string such as ``"tp-cp-dp-pp"`` into axes, validating it.
+
+    With ``sizes`` (axis -> size), axes of size 1 may be left out (as Megatron allows):
+    they are appended, where their position changes no rank.
+    """
     if not isinstance(order, str):
         raise TypeError(f"order must be a string like {DEFAULT_ORDER!r}, got {order!r}")
     axes = tuple(a.strip().lower() for a in order.split("-"))
-    if sorted(axes) != sorted(AXES):
+    unknown = [a for a in axes if a not in AXES]
+    if unknown or len(set(axes)) != len(axes):
         raise ValueError(
-            f"order={order!r} must name each of {', '.join(AXES)} exactly once, "
+            f"order={order!r} must name axes among {', '.join(AXES)}, each at most once, "
             f"separated by '-' (e.g. {DEFAULT_ORDER!r})"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
         )
-    return axes
+    missing = [a for a in AXES if a not in axes]
+    needed = [a for a in missing if sizes is None or sizes.get(a, 1) != 1]
+    if needed:
+        raise ValueError(
+            f"order={order!r} leaves out {', '.join(needed)}"
+            + (f" (size {', '.join(str(sizes[a]) for a in needed)})" if sizes else "")
+            + f": name every axis whose size is not 1 (e.g. {DEFAULT_ORDER!r})"
+        )
+    return axes + tuple(missing)
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,8 @@ class ParallelGrid:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        object.__setattr__(self, "axes", parse_order(self.order))
+        object.__setattr__(self, "axes", parse_order(self.order, {a: getattr(self, a)
+                                                                  for a in AXES}))
         if self.tp * self.cp * self.dp * self.pp != self.world_size:
             raise ValueError(
                 f"world_size ({self.world_size}) must equal tensor_model_parallel_size ({self.tp})"
@@ -332,8 +347,16 @@ def destroy_model_parallel() -> None:
 # Getters
 
 
+_GROUP_NAMES = {"embd": "embedding group (first and last pipeline stages)",
+                "pos-embd": "position embedding group (first pipeline stage)"}
+
+
 def _group(kind: str) -> dist.ProcessGroup:
-    return _state().groups[kind]
+    groups = _state().groups
+    if kind not in groups:
+        raise RuntimeError(f"this rank (pipeline stage {get_pipeline_model_parallel_rank()}) "
+                           f"is not in the {_GROUP_NAMES.get(kind, kind)}")
+    return groups[kind]
 
 
 def _ranks(kind: str) -> list[int]:

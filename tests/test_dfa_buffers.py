@@ -145,9 +145,12 @@ def test_byte_level_int32_equals_fp32_sync(world):
 
 def test_byte_sync_wider_than_param_is_an_error():
     model = make_model().to(torch.float16)
-    opt = DistributedFusedAdam(model.parameters(), param_sync_dtype=torch.int32)
-    with pytest.raises(ValueError, match="wider"):
-        opt.init_params(list(model.parameters()))
+    with pytest.raises(ValueError, match="param_sync_dtype=torch.int32 is wider"):
+        DistributedFusedAdam(model.parameters(), param_sync_dtype=torch.int32)
+    # init_params with its own sync dtype is checked there.
+    opt = DistributedFusedAdam(model.parameters())
+    with pytest.raises(ValueError, match="param_sync_dtype=torch.int32 is wider"):
+        opt.init_params(list(model.parameters()), param_sync_dtype=torch.int32)
 
 
 def _scaled_states(dtype_name, loss_scale):

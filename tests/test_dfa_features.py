@@ -174,6 +174,37 @@ def test_grad_scaler_skips_inf_on_every_rank(world):
     assert scales[0][1] == scales[0][0] / 2  # backed off after the inf step
 
 
+def _huge_finite_grads_are_not_inf():
+    """Gradients whose squared norm overflows fp32 (|g| = 1e20) but are all finite: the
+    scaler must not skip the step (torch's GradScaler checks elements, not the norm)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    weights = torch.tensor([1e20, 1.0, -2.0, 3.0])
+    out = []
+    for kind in ("dfa", "torch"):
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = (DistributedFusedAdam([p], lr=1e-2) if kind == "dfa"
+               else torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0))
+        scaler = torch.amp.GradScaler(torch.get_default_device().type, init_scale=1.0,
+                                      growth_interval=1)
+        loss = (p * weights).sum()
+        # Same loss on every rank: the averaged gradient equals this rank's.
+        scaler.scale(loss).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+        out.append((p.detach().clone(), scaler.get_scale()))
+    (p_dfa, scale_dfa), (p_ref, scale_ref) = out
+    torch.testing.assert_close(p_dfa, p_ref, rtol=RTOL, atol=ATOL)
+    assert scale_dfa == scale_ref == 2.0  # step taken, scale grew
+    assert world == 2 and rank in (0, 1)
+    return True
+
+
+def test_huge_finite_grads_are_not_inf(world):
+    assert world(2, _huge_finite_grads_are_not_inf) == [True, True]
+
+
 def _unscale_then_clip():
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
@@ -451,3 +482,63 @@ def _capturable():
 
 def test_capturable_device_step_and_skip(world):
     assert all(world(2, _capturable))
+
+
+@pytest.mark.parametrize("with_module", [False, True])
+def test_dropped_optimizer_is_freed(with_module):
+    """Hooks must not keep the optimizer alive (params hold them on the C++ side, out of
+    the garbage collector's reach): a dropped optimizer frees its state."""
+    import gc
+    import weakref
+
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY,
+                               overlap_param_sync=with_module,
+                               module=model if with_module else None)
+    loss_fn(model, *batches(1, 1, 1)[0][0][0]).backward()
+    opt.step()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    # The hooks left on the parameters are inert: training with a new optimizer works.
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    opt.zero_grad()
+    loss_fn(model, *batches(1, 1, 1)[0][0][0]).backward()
+    opt.step()
+
+
+def _add_param_group():
+    """add_param_group before the first backward: the new group trains like AdamW's; after
+    the layout is made it raises instead of silently ignoring the parameters."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, ref = make_model(), make_model()
+    first = [p for n, p in model.named_parameters() if not n.startswith("head")]
+    rest = [p for n, p in model.named_parameters() if n.startswith("head")]
+    opt = DistributedFusedAdam(first, lr=1e-2, bucket_cap_mb=TINY, overlap_param_sync=True,
+                               module=model)
+    opt.add_param_group({"params": rest, "lr": 5e-3})
+    ref_first = [p for n, p in ref.named_parameters() if not n.startswith("head")]
+    ref_rest = [p for n, p in ref.named_parameters() if n.startswith("head")]
+    ropt = torch.optim.AdamW([{"params": ref_first}, {"params": ref_rest, "lr": 5e-3}],
+                             lr=1e-2, weight_decay=0.0)
+    data = batches(world, 3, 1)
+    for s in range(3):
+        opt.zero_grad()
+        loss_fn(model, *data[s][rank][0]).backward()
+        opt.step()
+        ropt.zero_grad()
+        sum(loss_fn(ref, *data[s][r][0]) for r in range(world)).div(world).backward()
+        ropt.step()
+    x = torch.randn(2, 7)
+    torch.testing.assert_close(model(x), ref(x), rtol=RTOL, atol=ATOL)  # through the hooks
+    opt.param_sync()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    return True
+
+
+def test_add_param_group(world):
+    assert world(2, _add_param_group) == [True, True]

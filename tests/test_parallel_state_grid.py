@@ -98,6 +98,16 @@ def test_bad_order(order):
         parse_order(order)
 
 
+def test_order_may_leave_out_size_one_axes():
+    full = ParallelGrid.from_world(16, tp=2, pp=2, order="tp-cp-pp-dp")
+    short = ParallelGrid.from_world(16, tp=2, pp=2, order="tp-pp-dp")
+    assert short.axes == ("tp", "pp", "dp", "cp")
+    for kind in ("tp", "pp", "dp", "cp", "dp-cp", "tp-pp"):
+        assert short.groups(kind) == full.groups(kind)
+    with pytest.raises(ValueError, match=r"leaves out cp \(size 2\)"):
+        ParallelGrid.from_world(16, tp=2, cp=2, order="tp-pp-dp")
+
+
 @pytest.mark.parametrize("n,d", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (12, 3), (6, None)])
 def test_optimizer_groups(n, d):
     dp_groups = [list(range(0, 2 * n, 2)), list(range(1, 2 * n, 2))]

@@ -149,6 +149,23 @@ def _errors():
     with pytest.raises(RuntimeError, match="already initialized"):
         ps.initialize_model_parallel()
     ps.destroy_model_parallel()
+    # pp=4: the middle stages are in no embedding group, and say so.
+    ps.initialize_model_parallel(pipeline_model_parallel_size=4)
+    stage = ps.get_pipeline_model_parallel_rank()
+    if stage in (1, 2):
+        with pytest.raises(RuntimeError, match=f"stage {stage}.*not in the embedding group"):
+            ps.get_embedding_group()
+    else:
+        assert dist.get_world_size(ps.get_embedding_group()) == 2
+    if stage != 0:
+        with pytest.raises(RuntimeError, match="not in the position embedding group"):
+            ps.get_position_embedding_group()
+    ps.destroy_model_parallel()
+    # Axes of size 1 may be left out of the order (Megatron does the same).
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, order="tp-pp-dp")
+    assert ps.get_tensor_model_parallel_world_size() == 2
+    assert ps.get_data_parallel_world_size() == 2
+    ps.destroy_model_parallel()
     return True
 
 

@@ -17,9 +17,9 @@ checkpoints are in ``checkpoint.py``; option checks in ``options.py``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -62,6 +62,26 @@ class ShardState:
     group_ranges: list  # (start, end, param group index) covering the shard's fragments
     norm_ranges: list  # (start, end, counted) for the grad norm (TP-replicated counted once)
 
+
+
+def _weak_hook(obj, method: str, *bound):
+    """A hook calling ``obj.method(*bound, *args)`` that does not keep ``obj`` alive.
+
+    Parameters keep their post-accumulate-grad hooks on the C++ side, where the
+    garbage collector cannot see them, so a hook holding the optimizer would make
+    optimizer -> params -> hook -> optimizer an uncollectable cycle: a dropped
+    optimizer (and its state) would never be freed. Once the optimizer is gone the
+    hook does nothing.
+    """
+    ref = weakref.ref(obj)
+
+    def hook(*args):
+        target = ref()
+        if target is not None:
+            return getattr(target, method)(*bound, *args)
+        return None
+
+    return hook
 
 class DistributedFusedAdam(torch.optim.Optimizer):
     """Adam/AdamW with ZeRO-2 sharding of gradients and optimizer state.
@@ -160,13 +180,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.distributed_rank = comm.group_rank(self.distributed_process_group)
         self.redundant_size = comm.group_size(self.redundant_process_group)
 
-        self._params = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        for p in self._params:
-            if p.requires_grad and not p.is_contiguous():
-                raise OptionError("params: every parameter must be contiguous "
-                                  f"(got one of shape {tuple(p.shape)} that is not)")
+        self._params: list[torch.Tensor] = []
+        self._group_of: list[int] = []
+        self._index: dict[int, int] = {}
+        self._grad_hooks: list = []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                self._register_param(p, gi)
         self._keys: dict[int, tuple] = {}
         self._builder: LayoutBuilder | None = None
         self._built = False
@@ -181,13 +201,46 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._fingerprint_checked = False
         self._warned_no_module = False
         self._module_hooks: list = []
-        self._grad_hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-            for i, p in enumerate(self._params) if p.requires_grad
-        ]
+        self._attached: list[torch.nn.Module] = []
         self._comm = comm.CommContext(device, pipeline_size)
         if module is not None:
             self.attach(module)
+
+    def _register_param(self, p: torch.Tensor, group: int) -> None:
+        if p.requires_grad and not p.is_contiguous():
+            raise OptionError("params: every parameter must be contiguous "
+                              f"(got one of shape {tuple(p.shape)} that is not)")
+        self._check_sync_width(p, self.param_sync_dtype)
+        i = len(self._params)
+        self._params.append(p)
+        self._group_of.append(group)
+        self._index[id(p)] = i
+        if p.requires_grad:
+            self._grad_hooks.append(
+                p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad_ready", i)))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (``torch.optim.Optimizer`` API). Allowed until the layout
+        is made (first gradient hook, ``step()``, ``state_dict()``); after that the
+        buckets are fixed and this raises."""
+        if not hasattr(self, "_index"):  # called by torch.optim.Optimizer.__init__
+            super().add_param_group(param_group)
+            return
+        if self._built:
+            raise RuntimeError("add_param_group: the bucket layout is already made (by a "
+                               "gradient hook, step(), state_dict() or grad_sync()); add "
+                               "every param group before the first backward")
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for p in self.param_groups[gi]["params"]:
+            self._register_param(p, gi)
+        if self._attached:  # the forward pre-hooks must know the new parameters too
+            modules, self._attached = self._attached, []
+            for h in self._module_hooks:
+                h.remove()
+            self._module_hooks = []
+            for m in modules:
+                self.attach(m)
 
     # ------------------------------------------------------------------ layout
     def _layout_builder(self) -> LayoutBuilder:
@@ -209,15 +262,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             builder.capacity[key] = bucket_capacity_elements(self.bucket_cap_mb, itemsize)
             builder.alignment[key] = alignment_elements(itemsize)
 
+    @staticmethod
+    def _check_sync_width(p: torch.Tensor, sync_dtype: torch.dtype) -> None:
+        if p.requires_grad and is_byte_dtype(sync_dtype) and (
+                torch.empty((), dtype=sync_dtype).element_size() > p.element_size()):
+            raise OptionError(f"param_sync_dtype={sync_dtype} is wider than a {p.dtype} "
+                              "parameter; byte-level sync needs an integer type of smaller "
+                              "or equal size")
+
     def _param_key(self, p: torch.Tensor, key: tuple) -> tuple:
         """Byte-level sync gathers the top bytes of values in the parameter's own dtype, so
         such buckets are also keyed by that dtype."""
         if not is_byte_dtype(key[2]):
             return key
-        sync_size = torch.empty((), dtype=key[2]).element_size()
-        if sync_size > p.element_size():
-            raise OptionError(f"param_sync_dtype={key[2]} is wider than a {p.dtype} parameter; "
-                              "byte-level sync needs an integer type of smaller or equal size")
+        self._check_sync_width(p, key[2])
         full = key + (p.dtype,)
         self._register_key(full)
         return full
@@ -521,6 +579,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return self._grad.shards()
 
     def _local_sq_norm(self, parameters=None) -> torch.Tensor:
+        norm = kernels.l2norm(self._norm_views(parameters), device=self.device)
+        return (norm.to(self.device, torch.float32) ** 2)
+
+    def _norm_views(self, parameters=None) -> list[torch.Tensor]:
+        """This rank's synchronized gradient ranges that the norm counts (TP-replicated
+        parameters only on TP rank 0)."""
         shards = self._synced_shards()
         views = []
         if parameters is None:
@@ -536,8 +600,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     if piece.param in wanted and (
                             getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
                         views.append(shard[piece.shard_start:piece.shard_end])
-        norm = kernels.l2norm(views, device=self.device)
-        return (norm.to(self.device, torch.float32) ** 2)
+        return views
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0,
                   force: bool = False) -> torch.Tensor:
@@ -568,8 +631,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _found_inf(self) -> torch.Tensor:
         """1.0 on every rank when any synchronized gradient (anywhere) is inf/NaN."""
-        sq = self._local_sq_norm()
-        flag = (~torch.isfinite(sq)).to(torch.float32)
+        # Per element, as torch's GradScaler: the largest magnitude is finite exactly
+        # when every element is (NaN propagates). A squared norm would overflow for
+        # finite gradients above ~1.8e19 and skip steps torch takes.
+        views = [v for v in self._norm_views() if v.numel()]
+        if views:
+            amax = torch.stack(torch._foreach_norm(views, ord=float("inf"))).float().amax()
+        else:
+            amax = torch.zeros((), dtype=torch.float32, device=self.device)
+        flag = (~torch.isfinite(amax.to(self.device))).to(torch.float32)
         comm.all_reduce(flag, self.distributed_process_group, dist.ReduceOp.MAX)
         if self.model_parallel_group is not None:
             comm.all_reduce(flag, self.model_parallel_group, dist.ReduceOp.MAX)
@@ -734,12 +804,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Drive ``overlap_param_sync`` from ``module``'s forward pre-hooks: each
         submodule gathers the buckets of its own parameters (prefetching one ahead)
         just before its forward runs."""
+        self._attached.append(module)
         for m in module.modules():
             owned = [self._index[id(p)] for p in m.parameters(recurse=False)
                      if id(p) in self._index]
             if owned:
                 self._module_hooks.append(m.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, tuple(owned))))
+                    _weak_hook(self, "_pre_forward", tuple(owned))))
 
     def _pre_forward(self, owned, module, args) -> None:
         if self._built and self._param_sync.pending():
