@@ -11,7 +11,8 @@ are meaningless. Only memory is measured here, never numerics or time.
 
 Per row: ``persistent`` = allocated after ``step()`` + ``zero_grad()`` (params,
 optimizer state, persistent buffers), ``peak`` = max allocated during the last of
-``--steps`` iterations (forward, backward, step), both measured with the CUDA caching
+``--steps`` iterations (forward, backward, step), ``peak in step()`` = max allocated
+during that ``step()`` alone, all measured with the CUDA caching
 allocator's counters (on CPU they are not available and the table shows the formula
 only). The formula for the persistent memory of each optimizer, with P parameters,
 d = world and fp32 parameters and state:
@@ -131,21 +132,25 @@ def measure(name: str, cfg: GPTConfig, world: int, args, device: torch.device) -
         ids = torch.randint(cfg.vocab_size, (args.micro, cfg.seq_length), generator=g)
         ids = ids.to(device)
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
-        peak = None
+        peak = step_peak = None
         for _ in range(args.steps):
             counter.reset()
             with autocast:
                 loss = model(ids, ids)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             peak = counter.peak()
+            counter.reset()
+            opt.step()
+            step_peak = counter.peak()
+            peak = None if peak is None else max(peak, step_peak)
+            opt.zero_grad(set_to_none=True)
         persistent = counter.now()
         row = {"name": name, "world": world, "params": n,
                "formula_gib": _formula(name, n, world) / GIB}
         if persistent is not None:
             row["persistent_gib"] = (persistent - base) / GIB
             row["peak_gib"] = (peak - base) / GIB
+            row["step_peak_gib"] = (step_peak - base) / GIB
         del model, opt, loss
         return row
     finally:
@@ -196,7 +201,8 @@ def main() -> None:
                 print(f"  world {world}  {name:28s} failed: {type(e).__name__}: {e}")
                 continue
             rows.append(row)
-            meas = (f"persistent {row['persistent_gib']:7.2f} GiB  peak {row['peak_gib']:7.2f} GiB"
+            meas = (f"persistent {row['persistent_gib']:7.2f} GiB  peak {row['peak_gib']:7.2f} "
+                    f"GiB  in step() {row['step_peak_gib']:7.2f} GiB"
                     if "peak_gib" in row else "(not measured on CPU)")
             print(f"  world {world}  {name:28s} formula {row['formula_gib']:7.2f} GiB  {meas}",
                   flush=True)
@@ -204,16 +210,16 @@ def main() -> None:
     print(f"\nparameters: {n / 1e9:.3f} B; GiB per rank (persistent = after step + zero_grad; "
           "formula = persistent model of the docstring)")
     worlds = sorted({r["world"] for r in rows})
-    head = "| optimizer | " + " | ".join(f"d={w} formula | d={w} persistent | d={w} peak"
-                                        for w in worlds) + " |"
+    cols = ("formula_gib", "persistent_gib", "peak_gib", "step_peak_gib")
+    head = "| optimizer | " + " | ".join(f"d={w} formula | d={w} persistent | d={w} peak | "
+                                        f"d={w} peak in step()" for w in worlds) + " |"
     print(head)
-    print("|---|" + "---|" * (3 * len(worlds)))
+    print("|---|" + "---|" * (len(cols) * len(worlds)))
     for name in names:
         cells = []
         for w in worlds:
             r = next((r for r in rows if r["name"] == name and r["world"] == w), {})
-            cells += [f"{r.get(k, float('nan')):.2f}"
-                      for k in ("formula_gib", "persistent_gib", "peak_gib")]
+            cells += [f"{r.get(k, float('nan')):.2f}" for k in cols]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:
