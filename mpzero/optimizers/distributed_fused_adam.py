@@ -63,7 +63,6 @@ class ShardState:
     norm_ranges: list  # (start, end, counted) for the grad norm (TP-replicated counted once)
 
 
-
 def _weak_hook(obj, method: str, *bound):
     """A hook calling ``obj.method(*bound, *args)`` that does not keep ``obj`` alive.
 
@@ -82,6 +81,7 @@ def _weak_hook(obj, method: str, *bound):
         return None
 
     return hook
+
 
 class DistributedFusedAdam(torch.optim.Optimizer):
     """Adam/AdamW with ZeRO-2 sharding of gradients and optimizer state.

@@ -63,7 +63,8 @@ class ParamBucket:
             )
 
     def mark_stale(self) -> torch.Tensor:
-        """Allocate the gather buffer; return this rank's shard slice for the step to fill."""
+        """Return the buffer the step fills with this rank's updated shard: a fresh
+        shard-sized one, or the slice of the contiguous param buffer."""
         self._assert_state(ParamState.CURRENT)
         lo, hi = self.layout.shard_range(self.dist_rank)
         if self.persistent is not None:
