@@ -187,3 +187,28 @@ def all_gather_object(obj, group: dist.ProcessGroup | None) -> list:
     out = [None] * n
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                         chunk_elements: int = 1 << 26) -> None:
+    """Overwrite ``tensors`` with the values of the group's first rank.
+
+    Tensors of one dtype are packed into flat buffers of about ``chunk_elements``
+    (one collective each, a bounded transient), then unpacked."""
+    if group_size(group) == 1 or not tensors:
+        return
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    chunks: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        lists = chunks.setdefault(t.dtype, [[]])
+        if lists[-1] and sum(x.numel() for x in lists[-1]) + t.numel() > chunk_elements:
+            lists.append([])
+        lists[-1].append(t)
+    for lists in chunks.values():
+        for same in lists:
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src, group=group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
+from mpzero.kernels.precision import copy_high_bytes, expand_high_bytes, split_remainder
 from mpzero.optimizers import DistributedFusedAdam
-from mpzero.optimizers.precision import copy_high_bytes, expand_high_bytes, split_remainder
 
 TINY = 24 * 4 / 2**20
 
@@ -143,14 +143,27 @@ def test_byte_level_int32_equals_fp32_sync(world):
     assert all(world(2, _byte_sync_int32_is_exact))
 
 
-def test_byte_sync_wider_than_param_is_an_error():
-    model = make_model().to(torch.float16)
-    with pytest.raises(ValueError, match="param_sync_dtype=torch.int32 is wider"):
-        DistributedFusedAdam(model.parameters(), param_sync_dtype=torch.int32)
-    # init_params with its own sync dtype is checked there.
-    opt = DistributedFusedAdam(model.parameters())
-    with pytest.raises(ValueError, match="param_sync_dtype=torch.int32 is wider"):
-        opt.init_params(list(model.parameters()), param_sync_dtype=torch.int32)
+def _wide_byte_sync_is_exact(param_dtype_name, sync_dtype_name):
+    """An integer param_sync_dtype wider than the parameter carries its bytes in the most
+    significant bytes (the rest zero): lossless, the same as syncing the value itself."""
+    world = dist.get_world_size()
+    pdtype, sdtype = getattr(torch, param_dtype_name), getattr(torch, sync_dtype_name)
+    runs = []
+    for sync in (sdtype, pdtype):
+        model = make_model().to(pdtype)
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01,
+                                   bucket_cap_mb=TINY, param_sync_dtype=sync)
+        _train(model, opt, batches(world, 3, 1, dtype=pdtype), 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    return True
+
+
+@pytest.mark.parametrize("pdt,sdt", [("float32", "int64"), ("bfloat16", "int32"),
+                                     ("float16", "int64")])
+def test_byte_sync_wider_than_param_is_lossless(world, pdt, sdt):
+    assert all(world(2, _wide_byte_sync_is_exact, pdt, sdt))
 
 
 def _scaled_states(dtype_name, loss_scale):

@@ -7,7 +7,7 @@ import torch
 
 from mpzero import kernels
 from mpzero.kernels import reference
-from mpzero.optimizers.precision import merge_remainder, split_remainder
+from mpzero.kernels.precision import merge_remainder, split_remainder
 
 torch.set_num_threads(1)
 

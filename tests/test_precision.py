@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mpzero.optimizers.precision import (
+from mpzero.kernels.precision import (
     copy_high_bytes,
     expand_high_bytes,
     merge_remainder,
@@ -169,9 +169,25 @@ def test_byte_round_trips(fdtype, idtype):
     assert torch.equal(i2, i)
 
 
+@pytest.mark.parametrize("fdtype,idtype", [(torch.float16, torch.int32),
+                                           (torch.float32, torch.int64),
+                                           (torch.bfloat16, torch.int32)])
+def test_wider_byte_casts_are_lossless(fdtype, idtype):
+    # A wider integer holds the value's bytes in its most significant bytes, the rest zero.
+    x = (torch.randn(1031) * 1e3).to(fdtype)
+    x[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")]).to(fdtype)
+    i = torch.full((1031,), -1, dtype=idtype)
+    copy_high_bytes(x, i)
+    n, k = x.element_size(), i.element_size()
+    ib = i.view(torch.uint8).view(-1, k)
+    assert torch.equal(ib[:, k - n:], x.view(torch.uint8).view(-1, n))
+    assert not ib[:, : k - n].any()
+    y = torch.empty_like(x)
+    expand_high_bytes(i, y)
+    assert torch.equal(y.view(torch.uint8), x.view(torch.uint8))
+
+
 def test_byte_cast_errors():
-    with pytest.raises(TypeError):
-        copy_high_bytes(torch.randn(4).half(), torch.empty(4, dtype=torch.int32))
     with pytest.raises(TypeError):
         copy_high_bytes(torch.randn(4), torch.empty(4, dtype=torch.float16))
     with pytest.raises(ValueError):

@@ -26,16 +26,24 @@ def supported(params, grads, exp_avgs, exp_avg_sqs, *, bias_correction: bool) ->
 
 def adam(params: Sequence[torch.Tensor], grads, exp_avgs, exp_avg_sqs, params_out, *, lr,
          beta1, beta2, eps, weight_decay, step, adam_w_mode, grad_scale, found_inf) -> None:
-    """Same contract as :func:`mpzero.kernels.adam` (grads may be scaled in place)."""
+    """Same contract as :func:`mpzero.kernels.adam`; ``grads`` are left unchanged."""
     step_t = step.reshape(()).float() if isinstance(step, torch.Tensor) else torch.tensor(
         float(step))
     # torch divides by its grad_scale; ours multiplies.
     inv_scale = None if grad_scale is None else grad_scale.reshape(()).float().reciprocal()
+    grads = [g.view(p.shape) for g, p in zip(grads, params)]
+    if inv_scale is not None:
+        if float(inv_scale) == 1.0:  # a CPU scalar: reading it is no device sync
+            inv_scale = None
+        else:
+            # torch's fused kernel writes the unscaled gradients back; ours are the
+            # synced gradients a later grad_norm() or step must still see unchanged.
+            grads = [g.clone() for g in grads]
     # lr rounded to fp32 whether it came as a Python float or a tensor, as the reference
     # does, so both give the same bits (reading a CPU tensor is no device sync).
     lr = float(torch.as_tensor(lr, dtype=torch.float32))
     fn = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    fn(list(params), [g.view(p.shape) for g, p in zip(grads, params)], list(exp_avgs),
+    fn(list(params), grads, list(exp_avgs),
        list(exp_avg_sqs), [], [step_t] * len(params), lr=lr, beta1=beta1, beta2=beta2,
        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
        grad_scale=inv_scale, found_inf=found_inf)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpzero.optimizers.precision import merge_remainder, split_remainder
+from mpzero.kernels.precision import merge_remainder, split_remainder
 
 __all__ = ["adam", "adam_remainders", "l2norm", "multi_copy"]
 

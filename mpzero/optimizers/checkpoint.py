@@ -31,6 +31,7 @@ import tempfile
 import torch
 
 from mpzero import comm
+from mpzero.optimizers.flat import flat_like, flat_view
 
 FORMAT = 2
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -70,7 +71,9 @@ def gather_state_dict(opt) -> dict:
     state: dict = {}
     for i, p in enumerate(opt._params):
         if i in opt._keys:
-            state[i] = {k: torch.zeros(p.shape, dtype=torch.float32, device="cpu")
+            # The parameter's own memory layout (e.g. channels_last): shards are in
+            # memory order.
+            state[i] = {k: torch.zeros_like(p, dtype=torch.float32, device="cpu")
                         for k in STATE_KEYS}
     for b, lay in enumerate(opt._layouts):
         for key, shard in _shard_tensors(opt, b).items():
@@ -78,7 +81,7 @@ def gather_state_dict(opt) -> dict:
             opt._comm.all_gather(shard, full, opt.distributed_process_group).wait()
             full = full.float().cpu()
             for f in lay.fragments:
-                state[f.param][key].view(-1)[f.param_start:f.param_end] = (
+                flat_view(state[f.param][key])[f.param_start:f.param_end] = (
                     full[f.bucket_start:f.bucket_end])
     state["step"] = opt.step_count()
     return {"format": FORMAT, "param_groups": _group_meta(opt), "state": state}
@@ -118,7 +121,8 @@ def load_state_dict(opt, sd: dict) -> None:
             targets = _load_targets(opt, b)
             for piece in lay.shard_pieces(opt.distributed_rank):
                 for k, dst in targets.items():
-                    src = state[piece.param][k].reshape(-1)[piece.param_start:piece.param_end]
+                    src = flat_like(state[piece.param][k], opt._params[piece.param])[
+                        piece.param_start:piece.param_end]
                     dst[piece.shard_start:piece.shard_end].copy_(src)
             _commit_targets(opt, b, targets)
     opt.set_step_count(state["step"])

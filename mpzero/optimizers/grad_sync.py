@@ -11,11 +11,15 @@ Gradients are added into the bucket's full-size buffer in the gradient-sync
 dtype; once the bucket syncs only the reduced local shard is kept (it
 accumulates over several syncs until :meth:`GradSync.reset`).
 
-Ordering rule (no deadlocks): buckets launch strictly in index order. A
-complete bucket waits until every bucket before it has launched in the current
-round; :meth:`GradSync.flush` launches the rest in order, with zeros for
-gradients that never arrived. Every rank thus issues the same collectives in
-the same order whatever order autograd produces gradients in.
+Ordering rule (no deadlocks): a *round* launches every bucket exactly once, in
+index order. A complete bucket waits until every bucket before it has launched
+in the current round; :meth:`GradSync.flush` launches the rest in order, with
+zeros for gradients that never arrived. A gradient for a bucket that already
+launched in this round (the next micro-batch of gradient accumulation without
+``no_sync()``) first closes the round the same way, then starts the next one.
+Every rank thus issues the same collectives in the same order whatever order
+autograd produces gradients in, and a parameter may be missing from any
+micro-batch.
 """
 
 from __future__ import annotations
@@ -84,7 +88,9 @@ class GradBucket:
         """Allocate a zeroed buffer for a new round of gradients."""
         self._assert_state(GradState.EMPTY, GradState.SYNCED)
         if self.persistent is not None:
-            self.buffer = self.persistent.zero_()
+            # Zeroed when its last round finished syncing (or at reset), not here: what
+            # the user wrote into grad_buffer_view() since then is part of this round.
+            self.buffer = self.persistent
         else:
             self.buffer = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
         self.arrived = set()
@@ -135,6 +141,8 @@ class GradBucket:
         else:
             self._shard = self._incoming
         self.shard_valid = True
+        if self.persistent is not None and self._incoming is not self.persistent:
+            self.persistent.zero_()  # ready for the next round's gradients
         self._pending, self._incoming, self.buffer = None, None, None
         self.arrived = set()
         self.state = GradState.SYNCED
@@ -143,6 +151,8 @@ class GradBucket:
         """Drop every gradient (``zero_grad``)."""
         if self.state is GradState.SYNCING:
             self.finish_sync()
+        if self.persistent is not None:
+            self.persistent.zero_()
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
@@ -177,9 +187,14 @@ class GradSync:
 
     # -- gradients in --------------------------------------------------------------
     def add_grad(self, param: int, grad: torch.Tensor) -> None:
-        """Copy (add) one parameter's gradient into its buckets and mark it arrived."""
-        flat = grad.detach().reshape(-1)
-        for f in self.fragments.get(param, ()):
+        """Copy (add) one parameter's gradient into its buckets and mark it arrived.
+
+        ``grad`` is flat in the parameter's memory order."""
+        flat = grad
+        frags = self.fragments.get(param, ())
+        if any(f.bucket < self._cursor for f in frags):
+            self._close_round()  # a new micro-batch reached buckets this round launched
+        for f in frags:
             bucket = self.buckets[f.bucket]
             if bucket.state is GradState.SYNCING:
                 self._finish(bucket)  # a new round for a bucket still in flight
@@ -198,7 +213,15 @@ class GradSync:
         if self._cursor == len(self.buckets):
             self._cursor = 0  # round complete
 
+    def _close_round(self) -> None:
+        """Launch every bucket the current round still owes, in order."""
+        for i in range(self._cursor, len(self.buckets)):
+            self._launch(self.buckets[i])
+        self._cursor = 0
+
     def _launch(self, bucket: GradBucket) -> None:
+        if bucket.state is GradState.SYNCING:  # still in flight from the previous round
+            self._finish(bucket)
         if self._on_first_collective is not None:
             hook, self._on_first_collective = self._on_first_collective, None
             hook()

@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from mpzero import kernels
 from mpzero.comm import CommContext, Pending
+from mpzero.kernels.precision import expand_high_bytes
+from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.layout import BucketLayout, fragments_by_param
-from mpzero.optimizers.precision import expand_high_bytes
 
 
 class ParamState(enum.Enum):
@@ -93,7 +94,7 @@ class ParamBucket:
             srcs, dsts = [], []
             for f in self.layout.fragments:
                 srcs.append(self.full[f.bucket_start : f.bucket_end])
-                dsts.append(params[f.param].detach().view(-1)[f.param_start : f.param_end])
+                dsts.append(flat_view(params[f.param].detach())[f.param_start : f.param_end])
             with torch.no_grad():
                 if self.dtype.is_floating_point:
                     kernels.multi_copy(srcs, dsts)

@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 from mpzero import kernels  # noqa: E402
 from mpzero.kernels import cuda as kc  # noqa: E402
 from mpzero.kernels import reference  # noqa: E402
-from mpzero.optimizers.precision import merge_remainder, split_remainder  # noqa: E402
+from mpzero.kernels.precision import merge_remainder, split_remainder  # noqa: E402
 
 DEV = torch.device("cuda")
 F = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,0 +1,326 @@
+"""One optimizer step, top to bottom: sync, scale, fused Adam on the shards, gather.
+
+Mixed into :class:`~mpzero.optimizers.DistributedFusedAdam`::
+
+    step()  -> param_sync() (finish last step's gathers) -> grad_sync() (flush buckets)
+            -> grad scaler: found-inf check, unscale folded into grad_scale
+            -> _local_step: per phase, mark buckets stale (shard-sized output buffers),
+               _fused_adam (one kernels.adam launch per param group x dtype key)
+            -> all-gather now, or (overlap_param_sync) the first bucket now and the rest
+               from the next forward's module pre-hooks
+
+The gradient norm, clipping and GradScaler integration live here too: they fold
+into the same ``grad_scale`` device scalar the kernels read.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from mpzero import comm, kernels
+from mpzero.kernels.precision import copy_high_bytes
+from mpzero.optimizers.options import is_byte_dtype
+from mpzero.warn import user_stacklevel
+
+
+class StepMixin:
+    """Norms, AMP and the step of DistributedFusedAdam."""
+
+    def _synced_shards(self) -> list[torch.Tensor | None]:
+        self.grad_sync()
+        return self._grad.shards()
+
+    def _local_sq_norm(self, parameters=None) -> torch.Tensor:
+        norm = kernels.l2norm(self._norm_views(parameters), device=self.device)
+        return (norm.to(self.device, torch.float32) ** 2)
+
+    def _norm_views(self, parameters=None) -> list[torch.Tensor]:
+        """This rank's synchronized gradient ranges that the norm counts (TP-replicated
+        parameters only on TP rank 0)."""
+        shards = self._synced_shards()
+        views = []
+        if parameters is None:
+            for shard, st in zip(shards, self._shards):
+                if shard is not None:
+                    views += [shard[a:b] for a, b, counted in st.norm_ranges if counted]
+        else:
+            wanted = {self._index[id(p)] for p in parameters}
+            tp_rank = tensor_parallel_rank(self.model_parallel_group)
+            for shard, lay in zip(shards, self._layouts):
+                for piece in lay.shard_pieces(self.distributed_rank):
+                    p = self._params[piece.param]
+                    if piece.param in wanted and (
+                            getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+                        views.append(shard[piece.shard_start:piece.shard_end])
+        return views
+
+    def grad_norm(self, parameters=None, norm_type: float = 2.0,
+                  force: bool = False) -> torch.Tensor:
+        """2-norm of the synchronized gradients (times the pending grad scale), as a
+        0-dim fp32 tensor on the optimizer's device.
+
+        ``parameters``: any iterable (e.g. ``model.parameters()``); ``None`` = all.
+        Cached until gradients change: a second call for the same gradients runs no
+        collective, so it may be made on one rank only (e.g. for logging)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"grad_norm: only norm_type=2.0 is supported, got {norm_type!r}")
+        if parameters is not None:
+            parameters = ([parameters] if isinstance(parameters, torch.Tensor)
+                          else list(parameters))
+        self._ensure_layout()
+        self.grad_sync()
+        key = (self._grad.version, None if parameters is None else
+               tuple(id(p) for p in parameters))
+        if force or self._norm_cache is None or self._norm_cache[0] != key:
+            sq = self._local_sq_norm(parameters)
+            comm.all_reduce(sq, self.distributed_process_group)
+            if self.model_parallel_group is not None:
+                comm.all_reduce(sq, self.model_parallel_group)
+            self._norm_cache = (key, sq.sqrt())
+        return self._norm_cache[1] * self._grad_scale
+
+    def clip_grad_norm(self, max_norm: float, parameters=None,
+                       norm_type: float = 2.0) -> torch.Tensor:
+        """Total gradient norm; folds ``min(1, max_norm / (norm + 1e-6))`` into the grad
+        scale so the clipping costs no pass over the gradients."""
+        if parameters is not None and not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)
+        norm = self.grad_norm(parameters, norm_type)
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        self._grad_scale.mul_(coef)
+        return norm
+
+    def _found_inf(self) -> torch.Tensor:
+        """1.0 on every rank when any synchronized gradient (anywhere) is inf/NaN."""
+        # Per element, as torch's GradScaler: the largest magnitude is finite exactly
+        # when every element is (NaN propagates). A squared norm would overflow for
+        # finite gradients above ~1.8e19 and skip steps torch takes.
+        views = [v for v in self._norm_views() if v.numel()]
+        if views:
+            amax = torch.stack(torch._foreach_norm(views, ord=float("inf"))).float().amax()
+        else:
+            amax = torch.zeros((), dtype=torch.float32, device=self.device)
+        flag = (~torch.isfinite(amax.to(self.device))).to(torch.float32)
+        comm.all_reduce(flag, self.distributed_process_group, dist.ReduceOp.MAX)
+        if self.model_parallel_group is not None:
+            comm.all_reduce(flag, self.model_parallel_group, dist.ReduceOp.MAX)
+        return flag
+
+    def unscale_grads(self, inv_scale: torch.Tensor | float | None = None, grad_scaler=None):
+        """Fold a gradient unscale into the grad scale (GradScaler integration).
+
+        With ``grad_scaler``, its inverse scale is used, inf/NaN in the synchronized
+        gradients is detected and recorded in the scaler's per-optimizer state (so
+        ``scaler.update()`` works) and that state is marked unscaled. A disabled scaler
+        (``enabled=False``) does nothing, as ``GradScaler.unscale_`` does."""
+        self._ensure_layout()
+        if grad_scaler is not None and not grad_scaler.is_enabled():
+            return
+        if grad_scaler is not None:
+            from torch.amp.grad_scaler import OptState
+
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.UNSCALED:
+                raise RuntimeError("unscale_grads() has already been called on this optimizer "
+                                   "since the last update()")
+            scale = grad_scaler._scale
+            if inv_scale is None:
+                inv_scale = scale.double().reciprocal().float()
+            found = self._found_inf()
+            state["found_inf_per_device"][found.device] = found.to(scale.device)
+            state["stage"] = OptState.UNSCALED
+        if inv_scale is not None:
+            inv = torch.as_tensor(inv_scale, dtype=torch.float32).to(self.device)
+            self._grad_scale.mul_(inv)
+
+    def step(self, closure=None, *, grad_scaler=None):
+        """One optimizer step (see the module docstring for the flow)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_layout()
+        self.param_sync()
+        self.grad_sync()
+        found_inf = None
+        if grad_scaler is not None:
+            from torch.amp.grad_scaler import OptState
+
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+                raise RuntimeError(
+                    "GradScaler.unscale_(optimizer) cannot unscale DistributedFusedAdam's "
+                    "gradients: ZeRO-2 keeps them in sharded buckets and frees param.grad, so "
+                    "torch's unscale_ found none (and clipping after it sees none either). "
+                    "Call optimizer.unscale_grads(grad_scaler=scaler) instead of "
+                    "scaler.unscale_(optimizer), and clip with optimizer.clip_grad_norm().")
+            if state["stage"] is not OptState.UNSCALED:
+                self.unscale_grads(grad_scaler=grad_scaler)
+            found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
+            if not self.capturable and found_inf.item():
+                self._grad_scale.fill_(1.0)  # skipped: same decision on every rank
+                return loss
+        if self.capturable:
+            self._step_t.add_(1.0 if found_inf is None else 1.0 - found_inf)
+        else:
+            self._steps += 1
+        with torch.no_grad():
+            self._local_step(found_inf if self.capturable else None)
+        self._mirror_step()
+        self._grad.mark_stepped()
+        self._grad_scale.fill_(1.0)
+        self._norm_cache = None
+        return loss
+
+    def step_count(self):
+        """Steps taken: an int, or a 0-dim device tensor with ``capturable``."""
+        return self._step_t.clone() if self.capturable else self._steps
+
+    def set_step_count(self, step) -> None:
+        if self.capturable:
+            self._step_t.fill_(float(step))
+        else:
+            self._steps = int(step.item() if isinstance(step, torch.Tensor) else step)
+        self._mirror_step()
+
+    def _mirror_step(self) -> None:
+        """``optimizer.state[p]["step"]`` for every trainable parameter, as torch
+        optimizers have it: one shared 0-dim fp32 tensor updated in place (a CPU tensor,
+        or the device step count with ``capturable``), so no per-parameter work."""
+        if self.capturable:
+            shared = self._step_t
+        else:
+            shared = getattr(self, "_step_mirror", None)
+            if shared is None:
+                shared = self._step_mirror = torch.zeros((), dtype=torch.float32)
+            shared.fill_(float(self._steps))
+        if not getattr(self, "_step_mirrored", False) and getattr(self, "_built", False):
+            for i in self._keys:
+                self.state[self._params[i]]["step"] = shared
+            self._step_mirrored = True
+
+    def _device_lr(self, gi: int) -> torch.Tensor:
+        """capturable: group ``gi``'s lr as a 0-dim device tensor. A number set on the group
+        (by the user, a scheduler or a load) is copied in place into that tensor, which
+        then stands in the group again, so graphs captured earlier see it."""
+        group = self.param_groups[gi]
+        while len(self._lr_tensors) <= gi:
+            self._lr_tensors.append(None)
+        lr_t = self._lr_tensors[gi]
+        if lr_t is None:
+            lr_t = self._lr_tensors[gi] = torch.zeros((), dtype=torch.float32,
+                                                      device=self.device)
+            lr_t.fill_(float(group["lr"]))
+            group["lr"] = lr_t
+        elif group["lr"] is not lr_t:
+            value = group["lr"]
+            if isinstance(value, torch.Tensor):
+                lr_t.copy_(value.reshape(()))
+            else:
+                lr_t.fill_(float(value))
+            group["lr"] = lr_t
+        return lr_t
+
+    def _local_step(self, found_inf: torch.Tensor | None = None) -> None:
+        self._found_inf_for_kernels = found_inf
+        outs = {}
+        first_gathered = None
+        order = list(range(len(self._layouts)))
+        deferred = self.overlap_param_sync and bool(self._module_hooks)
+        if deferred and order:
+            # The last bucket is used first by the next forward: step it alone, start its
+            # gather, and let the gather overlap the step of the rest.
+            first_gathered = order[-1]
+            phases = [[first_gathered], order[:-1]]
+        else:
+            phases = [order]
+        for phase in phases:
+            for b in phase:
+                outs[b] = self._param_sync.mark_stale(b)
+            self._fused_adam(phase, outs)
+            if deferred and phase == [first_gathered]:
+                self._param_sync.start_through(first_gathered)
+        if self.overlap_param_sync and not self._module_hooks and not self._warned_no_module:
+            self._warned_no_module = True
+            warnings.warn("overlap_param_sync=True but no module is attached (module= or "
+                          "attach(module)): parameters are gathered at the end of step()",
+                          stacklevel=user_stacklevel())
+        if not deferred:
+            self._param_sync.sync_all()
+
+    def _fused_adam(self, buckets, outs) -> None:
+        """One fused launch per (param group, dtype key) over the given buckets."""
+        plain: dict[tuple, tuple[list, ...]] = {}
+        with_rem: dict[tuple, tuple[list, ...]] = {}
+        byte_outs, rescale = [], []
+        for b in buckets:
+            st, lay = self._shards[b], self._layouts[b]
+            grad = self._grad.buckets[b].shard
+            out = outs[b]
+            if is_byte_dtype(lay.key[2]):  # the value in the param's dtype, then its top bytes
+                value = torch.empty(lay.shard_size, dtype=lay.key[3], device=self.device)
+                byte_outs.append((value, out))
+                out = value
+            if st.remainder is not None:
+                # The bf16 high halves come from the parameters and are updated in place,
+                # in the buffer that is then gathered.
+                if self._param_sync.buckets[b].persistent is None:  # else out *is* params
+                    self._copy_params_into(out, lay.shard_pieces(self.distributed_rank))
+                for lo, hi, gi in st.group_ranges:
+                    lists = with_rem.setdefault((gi, lay.key), ([], [], [], [], []))
+                    for lst, t in zip(lists, (out, st.remainder, grad, st.exp_avg,
+                                              st.exp_avg_sq)):
+                        lst.append(t[lo:hi])
+                continue
+            if st.scaled is not None:  # fp32 working copies, rescaled after the update
+                master = st.scaled.unscaled("param")
+                exp_avg, exp_avg_sq = self._moments(b)
+                rescale.append((b, master, exp_avg, exp_avg_sq))
+            else:
+                master = (st.master if st.master is not None
+                          else self._params_shard(b, lay.key[0]))
+                exp_avg, exp_avg_sq = st.exp_avg, st.exp_avg_sq
+            if self._found_inf_for_kernels is not None:
+                out.copy_(master)  # a skipped step (device flag) must gather the old values
+            for lo, hi, gi in st.group_ranges:
+                lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
+                for lst, t in zip(lists, (master, grad, exp_avg, exp_avg_sq, out)):
+                    lst.append(t[lo:hi])
+        for (gi, _), (p, g, m, v, out) in plain.items():
+            kernels.adam(p, g, m, v, out, **self._hyper(gi))
+        for (gi, _), (hi, rem, g, m, v) in with_rem.items():
+            kernels.adam_remainders(hi, rem, g, m, v, None, **self._hyper(gi))
+        for b, master, exp_avg, exp_avg_sq in rescale:
+            self._shards[b].scaled.store("param", master)
+            self._store_moments(b, exp_avg, exp_avg_sq)
+        for value, out in byte_outs:
+            copy_high_bytes(value, out)
+
+    def _hyper(self, gi: int) -> dict:
+        group = self.param_groups[gi]
+        beta1, beta2 = group["betas"]
+        lr = self._device_lr(gi) if self.capturable else group["lr"]
+        return dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    step=self._step_t if self.capturable else self._steps,
+                    adam_w_mode=self.adam_w_mode, bias_correction=bool(group["bias_correction"]),
+                    grad_scale=self._grad_scale, found_inf=self._found_inf_for_kernels)
+
+
+def tensor_parallel_rank(model_parallel_group) -> int:
+    """TP rank used to count TP-replicated params once in the grad norm.
+
+    With ``parallel_state`` initialized: its TP rank (so a TP x PP model-parallel group
+    counts each TP-replicated parameter once per pipeline stage). Without it the
+    model-parallel group is taken as pipeline stages (no tensor parallelism): every
+    rank counts all of its parameters."""
+    if model_parallel_group is None:
+        return 0
+    from mpzero import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
