@@ -193,5 +193,5 @@ def test_byte_cast_errors():
     with pytest.raises(ValueError):
         copy_high_bytes(torch.randn(4), torch.empty(5, dtype=torch.int16))
     with pytest.raises(TypeError):
-        expand_high_bytes(torch.empty(4, dtype=torch.int32), torch.empty(4).half())
+        expand_high_bytes(torch.empty(4).half(), torch.empty(4))
     copy_high_bytes(torch.empty(0), torch.empty(0, dtype=torch.int16))
