@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated row indices")
     args = ap.parse_args()
-    args.device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    args.device = (torch.device("cpu") if args.cpu or not torch.cuda.is_available()
+                   else torch.device("cuda", torch.cuda.current_device()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo", rank=0,
