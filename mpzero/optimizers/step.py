@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mpzero import comm, kernels
 from mpzero.kernels.precision import copy_high_bytes
+from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.options import is_byte_dtype
 from mpzero.warn import user_stacklevel
 
@@ -239,7 +240,10 @@ class StepMixin:
             phases = [order]
         for phase in phases:
             for b in phase:
-                outs[b] = self._param_sync.mark_stale(b)
+                # One rank holds the whole bucket: the kernels write the parameters
+                # themselves (no shard buffer, no gather, no copy-out).
+                outs[b] = (None if self._writes_params(b)
+                           else self._param_sync.mark_stale(b))
             self._fused_adam(phase, outs)
             if deferred and phase == [first_gathered]:
                 self._param_sync.start_through(first_gathered)
@@ -260,6 +264,20 @@ class StepMixin:
             st, lay = self._shards[b], self._layouts[b]
             grad = self._grad.buckets[b].shard
             out = outs[b]
+            if out is None:  # direct: per fragment, into the parameters' own storage
+                for (s, e, gi), view in self._param_views(b):
+                    if st.remainder is not None:
+                        lists = with_rem.setdefault((gi, lay.key), ([], [], [], [], []))
+                        for lst, t in zip(lists, (view, st.remainder[s:e], grad[s:e],
+                                                  st.exp_avg[s:e], st.exp_avg_sq[s:e])):
+                            lst.append(t)
+                    else:
+                        master = view if st.master is None else st.master[s:e]
+                        lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
+                        for lst, t in zip(lists, (master, grad[s:e], st.exp_avg[s:e],
+                                                  st.exp_avg_sq[s:e], view)):
+                            lst.append(t)
+                continue
             if is_byte_dtype(lay.key[2]):  # the value in the param's dtype, then its top bytes
                 value = torch.empty(lay.shard_size, dtype=lay.key[3], device=self.device)
                 byte_outs.append((value, out))
@@ -298,6 +316,27 @@ class StepMixin:
             self._store_moments(b, exp_avg, exp_avg_sq)
         for value, out in byte_outs:
             copy_high_bytes(value, out)
+
+    def _writes_params(self, b: int) -> bool:
+        """The step writes bucket ``b``'s parameters in place: one rank holds the whole
+        bucket, the parameters have the param-sync dtype (or are the bf16 halves of
+        remainders), and the state is not scaled."""
+        if self.distributed_size != 1 or self._shards[b].scaled is not None:
+            return False
+        if self._param_sync.buckets[b].persistent is not None:
+            return False  # the shard buffer already is the parameters
+        key = self._layouts[b].key
+        return all(self._params[f.param].dtype == key[2] for f in self._layouts[b].fragments)
+
+    def _param_views(self, b: int) -> list:
+        """``((shard_start, shard_end, group), flat param slice)`` per fragment of bucket
+        ``b``'s shard; made once (the parameters' storage does not move)."""
+        cache = self.__dict__.setdefault("_param_views_cache", {})
+        if b not in cache:
+            cache[b] = [((p.shard_start, p.shard_end, self._group_of[p.param]),
+                         flat_view(self._params[p.param].detach())[p.param_start:p.param_end])
+                        for p in self._layouts[b].shard_pieces(self.distributed_rank)]
+        return cache[b]
 
     def _hyper(self, gi: int) -> dict:
         group = self.param_groups[gi]
