@@ -6,11 +6,15 @@ split over buckets); the reference is the unsplit model from the same seed in
 this (single) process with ``torch.optim.AdamW`` and ``clip_grad_norm_`` over
 the same global batches. Loss and grad norm per iteration, and every updated
 weight (the last stage's ``wte`` copy too), agree within 1e-5 (fp32, relative
-for loss and norm, absolute + relative for weights).
+for loss and norm, absolute + relative for weights). And the flag end to end:
+``pretrain_gpt.py --pipeline-model-parallel-size 2`` under torchrun logs a
+single-rank run's losses, grad norms and validation losses.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,9 +24,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
+import data  # noqa: E402
 import pipeline  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
+from plot_log import read_log  # noqa: E402
 
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
@@ -137,3 +143,37 @@ def test_pipeline_equals_unsplit_model(reference, world, tp_size, pp_size, globa
     # The ranks of the last stage hold an updated copy of wte equal to the first stage's.
     assert sum("wte.weight" in r["weights"] for r in results) == 2 * world // pp_size
 
+
+
+CLI = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16",
+       "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+       "--weight-decay", "0.1", "--seed", "1234", "--log-interval", "1", "--eval-iters", "2",
+       "--train-iters", "4", "--eval-interval", "2", "--cpu", "--num-threads", "1",
+       "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path):
+    """``pretrain_gpt.py --pipeline-model-parallel-size 2`` (torchrun, 2 ranks) logs the
+    losses, grad norms and validation losses of a single-rank run (1e-5 relative)."""
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "examples" / "gpt" / "pretrain_gpt.py"
+    data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=1024), tmp_path / "data", quiet=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    logs = {}
+    for name, launcher in [("pp1", []), ("pp2", ["-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc-per-node", "2"])]:
+        logs[name] = tmp_path / f"{name}.jsonl"
+        extra = ["--pipeline-model-parallel-size", "2"] if name == "pp2" else []
+        cmd = [sys.executable, *launcher, str(script), *CLI, *extra, "--data-dir",
+               str(tmp_path / "data"), "--log-file", str(logs[name])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env,
+                              cwd=repo)
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    (train1, eval1), (train2, eval2) = read_log(logs["pp1"]), read_log(logs["pp2"])
+    assert [r["iteration"] for r in train2] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in train2] == pytest.approx([r[key] for r in train1], rel=TOL)
+    assert [e["val_loss"] for e in eval2] == pytest.approx([e["val_loss"] for e in eval1],
+                                                           rel=TOL)
