@@ -170,11 +170,10 @@ class _P2P:
             ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
             ops += [dist.P2POp(dist.irecv, b, peer, self.group, tag)
                     for b, (peer, tag) in zip(bufs, recvs)]
-            works = dist.batch_isend_irecv(ops)
-            self.pending += [(w, None) for w in works[:len(sends)]]
-            self.pending += [(None, t) for t, _, _ in sends]
-            for w in works[len(sends):]:
-                w.wait()
+            # Coalesced: one work for the whole batch, or one per op; wait for all.
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            self.pending += [(None, t) for t, _, _ in sends]  # alive until the end
             return bufs
         for t, peer, tag in sends:
             self.pending.append((dist.isend(t, peer, group=self.group, tag=tag), t))

@@ -12,10 +12,11 @@ One process per GPU (or per CPU rank with ``--cpu``, gloo)::
 
 The world is ``tp x pp x dp`` ranks (``mpzero.parallel_state``; the pipeline
 stages run the 1F1B schedule of pipeline.py); the data-parallel group is split
-into the optimizer's distributed x redundant grid (``--distributed-optimizer-size``). Each iteration consumes one global batch:
-``global = micro x dp x grad_acc`` sequences, the same sequences whatever the
-layout (see data.py), with ``optimizer.no_sync()`` for all micro-batches but the
-last. See README.md beside this file for the flags and the log format.
+into the optimizer's distributed x redundant grid (``--distributed-optimizer-size``).
+Each iteration consumes one global batch: ``global = micro x dp x grad_acc``
+sequences (with PP the grad-acc micro-batches are the pipeline's), the same
+sequences whatever the layout (see data.py), with ``optimizer.no_sync()`` for
+all micro-batches but the last. See README.md beside this file for the flags and the log format.
 """
 
 from __future__ import annotations
