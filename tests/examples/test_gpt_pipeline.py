@@ -62,6 +62,14 @@ def _train_pipeline(tp_size: int, pp_size: int, global_batch: int) -> dict:
     optimizer = build_optimizer("dfa", model, device=torch.device("cpu"),
                                 bucket_cap_mb=0.01, **OPT)
     tied = pipeline.tie_embedding(model, optimizer)
+    no_sync_entries = []
+    real_no_sync = optimizer.no_sync
+
+    def counting_no_sync(*args, **kwargs):
+        no_sync_entries.append(1)
+        return real_no_sync(*args, **kwargs)
+
+    optimizer.no_sync = counting_no_sync
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per = global_batch // dp
     losses, norms = [], []
@@ -81,6 +89,7 @@ def _train_pipeline(tp_size: int, pp_size: int, global_batch: int) -> dict:
         dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
         weights[name] = (p.detach().clone(), dim)
     return {"losses": losses, "norms": norms, "weights": weights,
+            "no_sync_per_step": len(no_sync_entries) / STEPS, "micro_batches": per // MICRO,
             "tp": (ps.get_tensor_model_parallel_rank(), tp_size)}
 
 
@@ -132,6 +141,7 @@ def test_pipeline_equals_unsplit_model(reference, world, tp_size, pp_size, globa
     for rank, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref["losses"], rel=TOL), rank
         assert res["norms"] == pytest.approx(ref["norms"], rel=TOL), rank
+        assert res["no_sync_per_step"] == res["micro_batches"] - 1  # all backwards but one
         tp_rank, tp_n = res["tp"]
         for name, (w, dim) in res["weights"].items():
             want = ref["weights"][name]
