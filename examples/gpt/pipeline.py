@@ -66,6 +66,7 @@ from model import GPT, GPTConfig
 from mpzero import parallel_state
 
 TAG_FORWARD, TAG_BACKWARD = 1, 2
+_WARMED_UP: set = set()  # NCCL pipeline groups whose communicator exists
 
 
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
@@ -158,6 +159,11 @@ class _P2P:
         self.prev = parallel_state.get_pipeline_model_parallel_prev_rank()
         self.batched = dist.get_backend(self.group) == "nccl"
         self.pending: list = []  # (work, tensor) of sends in flight
+        if self.batched and self.group not in _WARMED_UP:
+            # NCCL: the group's first batch_isend_irecv must involve all its ranks (torch's
+            # docs); a collective creates the communicator first.
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            _WARMED_UP.add(self.group)
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=torch.float32, device=self.device)
