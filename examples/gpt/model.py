@@ -137,28 +137,53 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """``GPT(cfg)(ids, targets)`` -> mean loss; ``GPT(cfg)(ids)`` -> vocab-parallel logits."""
 
-    def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group=None, *, pre_process: bool = True,
+                 post_process: bool = True, layers: range | None = None) -> None:
+        """A whole GPT, or one pipeline stage of it (see examples/gpt/pipeline.py).
+
+        ``layers``: the global indices of the blocks this stage holds (default all);
+        ``pre_process``: it holds the embeddings (first stage); ``post_process``: the
+        final LayerNorm and the tied output layer, with its own copy of ``wte``
+        (last stage). Every stage draws the whole model's weights from the default
+        RNG in the order of the unsplit model and keeps its part, so stages built
+        from one seed hold exactly the unsplit model's weights.
+        """
         super().__init__()
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
-        self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                             init_method=tp.init_method_normal(cfg.init_std),
-                                             tp_group=tp_group)
-        self.wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        nn.init.normal_(self.wpe.weight, mean=0.0, std=cfg.init_std)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layers = range(cfg.num_layers) if layers is None else layers
+        wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                        init_method=tp.init_method_normal(cfg.init_std),
+                                        tp_group=tp_group)
+        wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+        nn.init.normal_(wpe.weight, mean=0.0, std=cfg.init_std)
+        if pre_process or post_process:
+            self.wte = wte
+        if pre_process:
+            self.wpe = wpe
+            self.drop = nn.Dropout(cfg.dropout)
+        blocks = (Block(cfg, tp_group) for _ in range(cfg.num_layers))  # all drawn, some kept
+        self.blocks = nn.ModuleList(b for i, b in enumerate(blocks) if i in self.layers)
+        if post_process:
+            self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        B, T = ids.shape
-        if T > self.cfg.seq_length:
-            raise ValueError(f"sequence of {T} tokens is longer than seq_length "
-                             f"{self.cfg.seq_length}")
-        pos = torch.arange(T, device=ids.device)
-        x = self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, h)
+        """``ids`` (B, T) on the first stage, else the previous stage's (B, T, h) output.
+        Returns the (B, T, h) hidden states unless this stage is the last."""
+        if self.pre_process:
+            B, T = ids.shape
+            if T > self.cfg.seq_length:
+                raise ValueError(f"sequence of {T} tokens is longer than seq_length "
+                                 f"{self.cfg.seq_length}")
+            pos = torch.arange(T, device=ids.device)
+            x = self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, h)
+        else:
+            x = ids
         for block in self.blocks:
             x = block(x)
+        if not self.post_process:
+            return x
         x = self.ln_f(x)  # (B, T, h)
         # Tied output layer: this rank's vocabulary rows of the embedding table.
         x = tp.copy_to_tensor_model_parallel_region(x, self.tp_group)

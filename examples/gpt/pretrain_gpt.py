@@ -10,12 +10,13 @@ One process per GPU (or per CPU rank with ``--cpu``, gloo)::
     torchrun --nproc-per-node 8 examples/gpt/pretrain_gpt.py --bf16 \\
         --tensor-model-parallel-size 2 --distributed-optimizer-size 4 --overlap-param-sync ...
 
-The world is ``tp x dp`` ranks (``mpzero.parallel_state``); the data-parallel
-group is split into the optimizer's distributed x redundant grid
-(``--distributed-optimizer-size``). Each iteration consumes one global batch:
-``global = micro x dp x grad_acc`` sequences, the same sequences whatever the
-layout (see data.py), with ``optimizer.no_sync()`` for all micro-batches but the
-last. See README.md beside this file for the flags and the log format.
+The world is ``tp x pp x dp`` ranks (``mpzero.parallel_state``; the pipeline
+stages run the 1F1B schedule of pipeline.py); the data-parallel group is split
+into the optimizer's distributed x redundant grid (``--distributed-optimizer-size``).
+Each iteration consumes one global batch: ``global = micro x dp x grad_acc``
+sequences (with PP the grad-acc micro-batches are the pipeline's), the same
+sequences whatever the layout (see data.py), with ``optimizer.no_sync()`` for
+all micro-batches but the last. See README.md beside this file for the flags and the log format.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpointing  # noqa: E402
 import data  # noqa: E402
+import pipeline  # noqa: E402
 from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 
@@ -78,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--clip-grad", type=float, default=1.0, help="max grad norm; 0 = off")
     g = p.add_argument_group("parallelism and optimizer")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (1F1B over the micro-batches; see pipeline.py)")
     g.add_argument("--distributed-optimizer-size", type=int, default=None,
                    help="ranks one optimizer shard is spread over (default: the whole DP group)")
     g.add_argument("--distribute-within-nodes", action="store_true",
@@ -154,6 +158,7 @@ def initialize(args) -> torch.device:
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_optimizer_size=args.distributed_optimizer_size,
         distribute_within_nodes=args.distribute_within_nodes)
     # Same default RNG on every rank (identical replicas); per-TP-rank tracked RNG for dropout.
@@ -256,10 +261,13 @@ def micro_batches(tokens, starts: np.ndarray, args, device):
         yield data.get_batch(tokens, local[i:i + args.micro_batch_size], args.seq_length, device)
 
 
-def train_step(model, optimizer, tokens, starts, args, device, autocast) -> tuple:
+def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=None) -> tuple:
     """One global batch: forward/backward per micro-batch, clip, step. Local mean loss."""
-    optimizer.zero_grad()
     batches = list(micro_batches(tokens, starts, args, device))
+    if args.pipeline_model_parallel_size > 1:
+        return pipeline.train_step(model, optimizer, batches, tied, clip_grad=args.clip_grad,
+                                   autocast=autocast)
+    optimizer.zero_grad()
     losses = []
     for m, (x, y) in enumerate(batches):
         sync = m == len(batches) - 1
@@ -284,6 +292,10 @@ def evaluate(model, val_tokens, args, device, autocast) -> float:
                               args.eval_iters * args.global_batch_size)
     losses = []
     for batch in starts.reshape(args.eval_iters, args.global_batch_size):
+        if args.pipeline_model_parallel_size > 1:
+            batches = list(micro_batches(val_tokens, batch, args, device))
+            losses.append(pipeline.forward_only(model, batches, autocast))
+            continue
         for x, y in micro_batches(val_tokens, batch, args, device):
             with autocast():
                 losses.append(model(x, y).float())
@@ -327,13 +339,20 @@ def main(argv: list[str] | None = None) -> None:
                     num_attention_heads=args.num_attention_heads,
                     ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout)
     args.ffn_hidden_size = cfg.ffn_hidden_size
-    model = GPT(cfg).to(device)
+    if args.pipeline_model_parallel_size > 1:
+        if args.optimizer != "dfa" or args.save or args.load:
+            raise ValueError("--pipeline-model-parallel-size > 1 needs --optimizer dfa and "
+                             "does not support --save/--load yet")
+        model = pipeline.build_stage(cfg).to(device)
+    else:
+        model = GPT(cfg).to(device)
     optimizer = build_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, device=device,
         overlap_grad_sync=args.overlap_grad_sync, overlap_param_sync=args.overlap_param_sync,
         bucket_cap_mb=args.bucket_cap_mb,
         grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None)
+    tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
     train_tokens = data.load_tokens(data_dir, "train")
     val_tokens = data.load_tokens(data_dir, "val")
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
@@ -364,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"GPT: {model.num_parameters() / 1e6:.2f}M parameters, vocab "
               f"{meta['vocab_size']} (padded {cfg.vocab_size}), world {world} = tp "
-              f"{args.tensor_model_parallel_size} x dp {dp}; optimizer {args.optimizer} over "
+              f"{args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
+              f"dp {dp}; optimizer {args.optimizer} over "
               f"distributed {parallel_state.get_distributed_optimizer_world_size()} x redundant "
               f"{parallel_state.get_redundant_optimizer_world_size()}; global batch "
               f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
@@ -376,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     log = JsonlLog(args.log_file, rank == 0)
     log.write({"kind": "setup", "iteration": iteration, "world_size": world,
                "tensor_model_parallel_size": args.tensor_model_parallel_size,
+               "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                "data_parallel_size": dp, "grad_acc": grad_acc, "optimizer": args.optimizer,
                "distributed_optimizer_size":
                    parallel_state.get_distributed_optimizer_world_size(),
@@ -408,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, norm = train_step(model, optimizer, train_tokens, sampler.next_batch(), args,
-                                device, autocast)
+                                device, autocast, tied)
         interval_losses.append(loss)
         interval_norms.append(norm)
         iters_interval += 1

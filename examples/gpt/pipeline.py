@@ -1,0 +1,304 @@
+"""Pipeline parallelism for the GPT example: stages, a 1F1B schedule, tied embeddings.
+
+A pipeline group of ``P`` ranks (``mpzero.parallel_state``) splits the
+transformer blocks into ``P`` consecutive stages (:func:`stage_layers`). The
+first stage also holds the embeddings, the last the final LayerNorm and the
+output layer, which is tied to the word embedding: the last stage holds a copy
+of ``wte`` (Megatron style). Each iteration runs ``M`` micro-batches (``M =
+global_batch / (micro_batch * dp)``) with the 1F1B schedule of
+:func:`forward_backward_1f1b`: stage ``r`` runs ``P - r - 1`` warm-up forwards,
+then alternates one forward and one backward (steady state), then runs the
+remaining backwards (cool-down), so at most ``P - r`` micro-batches' activations
+are alive on it. Activations travel forward and their gradients backward by
+point-to-point messages to ``get_pipeline_model_parallel_{next,prev}_rank()``.
+
+The optimizer is a :class:`~mpzero.optimizers.DistributedFusedAdam` per stage,
+ZeRO-2 over the stage's data-parallel group, with ``model_parallel_group`` set
+to the tensor x pipeline group so the gradient norm (and so the clipping
+coefficient) is the global one. ``optimizer.no_sync()`` wraps every backward but
+the last micro-batch's, whose backward launches the buckets' reduce-scatters as
+they fill (overlap), as without pipelining.
+
+Tied embedding (:class:`TiedEmbedding`): both copies start equal (every stage
+draws the unsplit model's weights from the same seeded RNG stream, see
+``GPT.__init__``). After the data-parallel gradient sync, the two stages add
+their ``wte`` gradients by an all-reduce over ``get_embedding_group()``, so both
+copies take the same Adam step and stay equal. ZeRO-2 keeps only this rank's
+shard of the synced gradient, so ``wte`` is put in optimizer bucket(s) of its
+own on both stages: those buckets have the same layout on both (a pure function
+of the parameter's size, the alignment and the distributed size), shard ``k``
+holds the same elements on both, and the all-reduce runs on the shards (the
+reason Megatron gives its shared embedding a bucket of its own with the
+distributed optimizer). The last stage's copy is left out of the gradient norm,
+so ``wte`` is counted once, as at PP=1. The bucket is placed last in the first
+stage's layout and first in the last stage's (the order their gradients are
+complete in backward), so the other buckets still overlap the backward pass.
+The optimizer has no public API for a shard's gradient or for excluding a
+parameter from the norm; :class:`TiedEmbedding` reaches into it (``_grad``,
+``_shards``) in the two places marked below.
+
+Why a schedule of our own and not ``torch.distributed.pipelining``
+(``PipelineStage`` + ``Schedule1F1B``, which runs on gloo): its schedule owns the
+per-micro-batch backward calls, and only knows DDP's/FSDP's ``no_sync``, so
+DistributedFusedAdam's ``no_sync()`` cannot wrap exactly the first ``M - 1``
+backwards; its ``scale_grads`` divides ``param.grad`` after the last backward,
+when the optimizer's hooks have already moved the gradients into its buckets;
+and the tied-embedding all-reduce has to run between the optimizer's grad sync
+and its step, outside the schedule. The 1F1B loop itself is short (below).
+
+Deadlock freedom: messages between two stages keep their order (forward
+activations in micro-batch order on one tag, gradients on another). On gloo
+sends are asynchronous (``isend``, waited for at the end of the schedule) and
+only receives block; on NCCL the steady state's send+receive pairs go together
+in one ``batch_isend_irecv`` (two stages each sending first would block each
+other's stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from model import GPT, GPTConfig
+
+from mpzero import parallel_state
+
+TAG_FORWARD, TAG_BACKWARD = 1, 2
+_WARMED_UP: set = set()  # NCCL pipeline groups whose communicator exists
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The global block indices of stage ``pp_rank``: consecutive, sizes differ by <= 1."""
+    if num_layers < pp_size:
+        raise ValueError(f"--num-layers ({num_layers}) must be at least the pipeline size "
+                         f"({pp_size})")
+    return range(pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size)
+
+
+def build_stage(cfg: GPTConfig) -> GPT:
+    """This rank's stage of the GPT (the whole model when the pipeline size is 1)."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return GPT(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
+               post_process=parallel_state.is_pipeline_last_stage(),
+               layers=stage_layers(cfg.num_layers, pp, rank))
+
+
+class TiedEmbedding:
+    """The word embedding shared by the first and last stage (see the module docstring).
+
+    Create it right after the optimizer, before any backward (it fixes wte's place in
+    the layout).
+    """
+
+    def __init__(self, model: GPT, optimizer) -> None:
+        self.optimizer = optimizer
+        self.group = parallel_state.get_embedding_group()
+        w = model.wte.weight
+        rest = [p for p in reversed(optimizer.parameters()) if p.requires_grad and p is not w]
+        if parallel_state.is_pipeline_first_stage():
+            optimizer.init_params(rest)  # the default (backward) order, wte's bucket last
+            optimizer.init_params_bucket([w])
+        else:
+            optimizer.init_params_bucket([w])
+            optimizer.init_params(rest)
+        self.weight, self.buckets = w, None
+
+    def _find_buckets(self) -> list[int]:
+        """Indices of the optimizer buckets holding wte (once the layout exists)."""
+        opt = self.optimizer
+        # Internal: the buckets holding wte (only wte: it has bucket(s) of its own).
+        index = next(i for i, p in enumerate(opt.parameters()) if p is self.weight)
+        buckets = sorted({f.bucket for f in opt._grad.fragments[index]})
+        sizes = torch.tensor([opt._grad.buckets[b].layout.shard_size for b in buckets],
+                             dtype=torch.int64, device=self.weight.device)
+        agreed = sizes.clone()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(agreed, sizes):
+            raise RuntimeError("tied embedding: the first and last stage laid out wte "
+                               "differently (different bucket_cap_mb or optimizer grid?)")
+        if parallel_state.is_pipeline_last_stage():
+            # Internal: the copy is not counted in the grad norm (the first stage counts wte).
+            for b in buckets:
+                shard = opt._shards[b]
+                shard.norm_ranges = [(a, e, False) for a, e, _ in shard.norm_ranges]
+        return buckets
+
+    def all_reduce_grads(self) -> None:
+        """Sum the synced ``wte`` gradient shards of the two stages (after grad_sync)."""
+        self.optimizer.grad_sync()
+        if self.buckets is None:
+            self.buckets = self._find_buckets()
+        for b in self.buckets:
+            shard = self.optimizer._grad.buckets[b].shard  # internal: this rank's shard
+            if shard is None:
+                raise RuntimeError("tied embedding: wte's gradient shard is not synced")
+            dist.all_reduce(shard, group=self.group)
+
+
+def tie_embedding(model: GPT, optimizer) -> TiedEmbedding | None:
+    """:class:`TiedEmbedding` on the first and last stage of a pipeline, else None."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    if not (model.pre_process or model.post_process):
+        return None
+    return TiedEmbedding(model, optimizer)
+
+
+class _P2P:
+    """Point-to-point messages of one schedule run with the neighbouring stages."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        self.shape, self.device = shape, device
+        self.first = parallel_state.is_pipeline_first_stage()
+        self.last = parallel_state.is_pipeline_last_stage()
+        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.next = parallel_state.get_pipeline_model_parallel_next_rank()
+        self.prev = parallel_state.get_pipeline_model_parallel_prev_rank()
+        self.batched = dist.get_backend(self.group) == "nccl"
+        self.pending: list = []  # (work, tensor) of sends in flight
+        if self.batched and self.group not in _WARMED_UP:
+            # NCCL: the group's first batch_isend_irecv must involve all its ranks (torch's
+            # docs); a collective creates the communicator first.
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
+            _WARMED_UP.add(self.group)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+
+    def _run(self, sends: list[tuple[torch.Tensor, int, int]],
+             recvs: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Send ``(tensor, peer, tag)``s and receive ``(peer, tag)``s; wait for the receives."""
+        bufs = [self._buffer() for _ in recvs]
+        if self.batched and sends + recvs:
+            ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
+            ops += [dist.P2POp(dist.irecv, b, peer, self.group, tag)
+                    for b, (peer, tag) in zip(bufs, recvs)]
+            # Coalesced: one work for the whole batch, or one per op; wait for all.
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            self.pending += [(None, t) for t, _, _ in sends]  # alive until the end
+            return bufs
+        for t, peer, tag in sends:
+            self.pending.append((dist.isend(t, peer, group=self.group, tag=tag), t))
+        for b, (peer, tag) in zip(bufs, recvs):
+            dist.irecv(b, peer, group=self.group, tag=tag).wait()
+        return bufs
+
+    def exchange(self, send_forward: torch.Tensor | None = None,
+                 send_backward: torch.Tensor | None = None, recv_forward: bool = False,
+                 recv_backward: bool = False) -> list[torch.Tensor]:
+        """One step of messages; the first and last stage skip what they have no peer for."""
+        sends, recvs = [], []
+        if send_forward is not None and not self.last:
+            sends.append((send_forward.detach().float().contiguous(), self.next, TAG_FORWARD))
+        if send_backward is not None and not self.first:
+            sends.append((send_backward.detach().float().contiguous(), self.prev, TAG_BACKWARD))
+        if recv_forward and not self.first:
+            recvs.append((self.prev, TAG_FORWARD))
+        if recv_backward and not self.last:
+            recvs.append((self.next, TAG_BACKWARD))
+        return self._run(sends, recvs)
+
+    def wait(self) -> None:
+        for work, _ in self.pending:
+            if work is not None:
+                work.wait()
+        self.pending = []
+
+
+def _hidden_shape(model: GPT, batches) -> tuple[int, ...]:
+    return (*batches[0][0].shape, model.cfg.hidden_size)  # (micro, seq, h)
+
+
+def forward_backward_1f1b(model: GPT, optimizer, batches: list, autocast=contextlib.nullcontext
+                          ) -> list[torch.Tensor]:
+    """Forward and backward of ``batches`` (``[(ids, targets)]``, every stage gets all)
+    through the pipeline with 1F1B; the gradients of ``mean(losses)`` accumulate through
+    the optimizer's hooks (``no_sync()`` for all but the last backward). Returns the
+    detached losses on the last stage, ``[]`` elsewhere."""
+    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device)
+    M = len(batches)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    warmup = min(pp - parallel_state.get_pipeline_model_parallel_rank() - 1, M)
+    in_flight: deque = deque()  # (input, output) of micro-batches awaiting backward
+    losses: list[torch.Tensor] = []
+    n_forward = n_backward = 0
+
+    def forward(received: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal n_forward
+        ids, targets = batches[n_forward]
+        x = ids if p2p.first else received[0].requires_grad_()
+        with autocast():
+            y = model(x, targets if p2p.last else None)
+        if p2p.last:
+            losses.append(y.detach().float())
+        in_flight.append((x, y))
+        n_forward += 1
+        return y
+
+    def backward(received: list[torch.Tensor]) -> torch.Tensor | None:
+        nonlocal n_backward
+        x, y = in_flight.popleft()
+        n_backward += 1
+        with contextlib.nullcontext() if n_backward == M else optimizer.no_sync():
+            if p2p.last:
+                (y / M).backward()
+            else:
+                torch.autograd.backward(y, grad_tensors=received[0])
+        return None if p2p.first else x.grad
+
+    for _ in range(warmup):
+        y = forward(p2p.exchange(recv_forward=True))
+        p2p.exchange(send_forward=y)
+    received = p2p.exchange(recv_forward=True) if warmup < M else []
+    for i in range(M - warmup):  # steady state: one forward, one backward
+        y = forward(received)
+        dx = backward(p2p.exchange(send_forward=y, recv_backward=True))
+        received = p2p.exchange(send_backward=dx, recv_forward=i < M - warmup - 1)
+    for _ in range(warmup):  # cool-down
+        dx = backward(p2p.exchange(recv_backward=True))
+        p2p.exchange(send_backward=dx)
+    p2p.wait()
+    return losses
+
+
+def _loss_from_last_stage(losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Mean of the last stage's ``losses``, on every rank of the pipeline group."""
+    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+    loss = loss.to(device=device, dtype=torch.float32).contiguous()
+    dist.broadcast(loss, parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return loss
+
+
+def train_step(model: GPT, optimizer, batches: list, tied: TiedEmbedding | None, *,
+               clip_grad: float, autocast=contextlib.nullcontext) -> tuple:
+    """One global batch: 1F1B, the tied-embedding all-reduce, clip, step.
+    Returns (mean loss of this data-parallel rank's micro-batches, global grad norm)."""
+    optimizer.zero_grad()
+    losses = forward_backward_1f1b(model, optimizer, batches, autocast)
+    if tied is not None:
+        tied.all_reduce_grads()
+    grad_norm = optimizer.clip_grad_norm(clip_grad) if clip_grad > 0 else optimizer.grad_norm()
+    optimizer.step()
+    device = batches[0][0].device
+    return _loss_from_last_stage(losses, device), grad_norm.detach().float()
+
+
+@torch.no_grad()
+def forward_only(model: GPT, batches: list, autocast=contextlib.nullcontext) -> torch.Tensor:
+    """Mean loss of ``batches`` through the pipeline (no backward), on every stage."""
+    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device)
+    losses = []
+    for ids, targets in batches:
+        received = p2p.exchange(recv_forward=True)
+        with autocast():
+            y = model(ids if p2p.first else received[0], targets if p2p.last else None)
+        if p2p.last:
+            losses.append(y.float())
+        p2p.exchange(send_forward=y)
+    p2p.wait()
+    return _loss_from_last_stage(losses, batches[0][0].device)

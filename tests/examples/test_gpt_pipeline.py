@@ -1,0 +1,189 @@
+"""Pipeline parallelism of the GPT example (examples/gpt/pipeline.py) equals PP=1.
+
+Each layout trains a tiny GPT for a few iterations with the 1F1B schedule and
+DistributedFusedAdam per stage (clipping active, several optimizer buckets, wte
+split over buckets); the reference is the unsplit model from the same seed in
+this (single) process with ``torch.optim.AdamW`` and ``clip_grad_norm_`` over
+the same global batches. Loss and grad norm per iteration, and every updated
+weight (the last stage's ``wte`` copy too), agree within 1e-5 (fp32, relative
+for loss and norm, absolute + relative for weights). And the flag end to end:
+``pretrain_gpt.py --pipeline-model-parallel-size 2`` under torchrun logs a
+single-rank run's losses, grad norms and validation losses.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
+
+import data  # noqa: E402
+import pipeline  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from optim import build_optimizer  # noqa: E402
+from plot_log import read_log  # noqa: E402
+
+from mpzero import parallel_state as ps  # noqa: E402
+from mpzero import tensor_parallel as tp  # noqa: E402
+from mpzero.testing import run_on_world  # noqa: E402
+
+CFG = dict(vocab_size=128, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4)
+SEED, STEPS, MICRO = 1234, 3, 2
+OPT = dict(lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+CLIP = 0.5
+TOL = 1e-5
+
+
+def _global_batches(global_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(CFG["vocab_size"], (global_batch, CFG["seq_length"]), generator=g)
+        targets = torch.randint(CFG["vocab_size"], (global_batch, CFG["seq_length"]),
+                                generator=g)
+        out.append((ids, targets))
+    return out
+
+
+def _train_pipeline(tp_size: int, pp_size: int, global_batch: int) -> dict:
+    """On each rank: train its stage; return losses, norms and its weights by global name."""
+    torch.set_num_threads(1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                 pipeline_model_parallel_size=pp_size)
+    tp.model_parallel_manual_seed(SEED)
+    model = pipeline.build_stage(GPTConfig(**CFG))
+    optimizer = build_optimizer("dfa", model, device=torch.device("cpu"),
+                                bucket_cap_mb=0.01, **OPT)
+    tied = pipeline.tie_embedding(model, optimizer)
+    no_sync_entries = []
+    real_no_sync = optimizer.no_sync
+
+    def counting_no_sync(*args, **kwargs):
+        no_sync_entries.append(1)
+        return real_no_sync(*args, **kwargs)
+
+    optimizer.no_sync = counting_no_sync
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = global_batch // dp
+    losses, norms = [], []
+    for ids, targets in _global_batches(global_batch):
+        mine = slice(dp_rank * per, (dp_rank + 1) * per)  # data.dp_slice's share
+        ids, targets = ids[mine], targets[mine]
+        batches = [(ids[i:i + MICRO], targets[i:i + MICRO]) for i in range(0, per, MICRO)]
+        loss, norm = pipeline.train_step(model, optimizer, batches, tied, clip_grad=CLIP)
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group())
+        losses.append(float(loss))  # the global batch's mean, as the training log's
+        norms.append(float(norm))
+    weights = {}
+    for name, p in model.named_parameters():
+        if name.startswith("blocks."):
+            local, rest = name[len("blocks."):].split(".", 1)
+            name = f"blocks.{model.layers[int(local)]}.{rest}"
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        weights[name] = (p.detach().clone(), dim)
+    return {"losses": losses, "norms": norms, "weights": weights,
+            "no_sync_per_step": len(no_sync_entries) / STEPS, "micro_batches": per // MICRO,
+            "tp": (ps.get_tensor_model_parallel_rank(), tp_size)}
+
+
+def _reference(global_batch: int) -> dict:
+    """The unsplit model (PP=1, TP=1, one process): AdamW, same micro-batches and clipping."""
+    tp.model_parallel_manual_seed(SEED)
+    model = GPT(GPTConfig(**CFG))
+    optimizer = torch.optim.AdamW(model.param_groups(OPT["weight_decay"]), **OPT)
+    losses, norms = [], []
+    for ids, targets in _global_batches(global_batch):
+        optimizer.zero_grad()
+        n = global_batch // MICRO
+        step_losses = []
+        for i in range(0, global_batch, MICRO):
+            loss = model(ids[i:i + MICRO], targets[i:i + MICRO])
+            (loss / n).backward()
+            step_losses.append(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        losses.append(float(torch.stack(step_losses).mean()))
+    return {"losses": losses, "norms": norms,
+            "weights": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cache = {}
+
+    def get(global_batch: int) -> dict:
+        if global_batch not in cache:
+            cache[global_batch] = _reference(global_batch)
+        return cache[global_batch]
+
+    return get
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,tp_size,pp_size,global_batch", [
+    (2, 1, 2, 8),  # 4 micro-batches over 2 stages
+    (4, 1, 4, 8),  # 4 micro-batches over 4 stages (stage 0 warms up 3)
+    (4, 1, 4, 4),  # 2 micro-batches over 4 stages: fewer than the stages, no steady state
+    (4, 2, 2, 8),  # PP=2 x TP=2
+    (4, 1, 2, 8),  # PP=2 x DP=2: 2 micro-batches per data-parallel rank
+], ids=["pp2", "pp4", "pp4-m2", "pp2-tp2", "pp2-dp2"])
+def test_pipeline_equals_unsplit_model(reference, world, tp_size, pp_size, global_batch):
+    ref = reference(global_batch)
+    results = run_on_world(world, _train_pipeline, tp_size, pp_size, global_batch, timeout=90)
+    seen = set()
+    for rank, res in enumerate(results):
+        assert res["losses"] == pytest.approx(ref["losses"], rel=TOL), rank
+        assert res["norms"] == pytest.approx(ref["norms"], rel=TOL), rank
+        assert res["no_sync_per_step"] == res["micro_batches"] - 1  # all backwards but one
+        tp_rank, tp_n = res["tp"]
+        for name, (w, dim) in res["weights"].items():
+            want = ref["weights"][name]
+            if dim is not None:
+                want = want.chunk(tp_n, dim=dim)[tp_rank]
+            torch.testing.assert_close(w, want, rtol=TOL, atol=TOL, msg=f"{name} rank {rank}")
+            seen.add(name)
+    assert seen == set(ref["weights"])  # every weight is held by some stage
+    # The ranks of the last stage hold an updated copy of wte equal to the first stage's.
+    assert sum("wte.weight" in r["weights"] for r in results) == 2 * world // pp_size
+
+
+
+CLI = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16",
+       "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--clip-grad", "1.0",
+       "--weight-decay", "0.1", "--seed", "1234", "--log-interval", "1", "--eval-iters", "2",
+       "--train-iters", "4", "--eval-interval", "2", "--cpu", "--num-threads", "1",
+       "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path):
+    """``pretrain_gpt.py --pipeline-model-parallel-size 2`` (torchrun, 2 ranks) logs the
+    losses, grad norms and validation losses of a single-rank run (1e-5 relative)."""
+    repo = Path(__file__).resolve().parents[2]
+    script = repo / "examples" / "gpt" / "pretrain_gpt.py"
+    data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=1024), tmp_path / "data", quiet=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    logs = {}
+    for name, launcher in [("pp1", []), ("pp2", ["-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc-per-node", "2"])]:
+        logs[name] = tmp_path / f"{name}.jsonl"
+        extra = ["--pipeline-model-parallel-size", "2"] if name == "pp2" else []
+        cmd = [sys.executable, *launcher, str(script), *CLI, *extra, "--data-dir",
+               str(tmp_path / "data"), "--log-file", str(logs[name])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env,
+                              cwd=repo)
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    (train1, eval1), (train2, eval2) = read_log(logs["pp1"]), read_log(logs["pp2"])
+    assert [r["iteration"] for r in train2] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in train2] == pytest.approx([r[key] for r in train1], rel=TOL)
+    assert [e["val_loss"] for e in eval2] == pytest.approx([e["val_loss"] for e in eval1],
+                                                           rel=TOL)
