@@ -79,7 +79,7 @@ def _run_example(cfg):
             continue
         assert p.dtype == p0.dtype
         torch.testing.assert_close(p.detach().float(), q.detach(), rtol=rtol, atol=atol,
-                                   msg=lambda m, i=i: f"param {i} {tuple(p.shape)}: {m}")
+                                   msg=lambda m, i=i, s=tuple(p.shape): f"param {i} {s}: {m}")
     return True
 
 
