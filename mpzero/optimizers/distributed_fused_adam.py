@@ -139,6 +139,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         # no_sync() turns it off (unless asked) so they accumulate in param.grad.
         self.greedy_grad_copy = True
         self._no_sync = False
+        self._round_close_queued = False
 
         self._groups = _resolve_groups(process_group, distributed_process_group,
                                        redundant_process_group)
@@ -236,6 +237,18 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self._norm_cache = None
         if self.overlap_grad_sync and not self._no_sync:
             self._grad.launch_ready()
+            if not self._round_close_queued:
+                self._round_close_queued = True
+                _at_end_of_backward(_weak_hook(self, "_end_of_backward"))
+
+    def _end_of_backward(self) -> None:
+        """Every backward pass (outside ``no_sync()``) is one round: what it did not
+        complete launches now, in order, with zeros for parameters that got no
+        gradient. So ranks whose micro-batches skip different parameters still issue
+        the same collectives (gradient accumulation without ``no_sync()``)."""
+        self._round_close_queued = False
+        if self.overlap_grad_sync and not self._no_sync and self._built:
+            self._grad.close_round()
 
     def _take_grad(self, index: int, param: torch.Tensor) -> None:
         """Move ``param.grad`` into the buckets (in the parameter's memory order)."""
@@ -367,6 +380,15 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- helpers
+def _at_end_of_backward(callback) -> None:
+    """Run ``callback`` once the current backward pass has finished (called from a
+    gradient hook). torch exposes this only on its autograd engine (FSDP uses the
+    same call); without it the round closes at the next sync instead."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is not None and hasattr(engine, "queue_callback"):
+        engine.queue_callback(callback)
+
+
 def _collect_params(params) -> list[torch.Tensor]:
     """Flatten ``params`` (tensors or param-group dicts); reject duplicates."""
     flat = []

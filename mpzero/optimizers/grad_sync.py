@@ -213,6 +213,13 @@ class GradSync:
         if self._cursor == len(self.buckets):
             self._cursor = 0  # round complete
 
+    def close_round(self) -> None:
+        """End an active round (a backward pass): launch every bucket it still owes,
+        in order, zeros for gradients that did not arrive. Nothing when no round is
+        active (every bucket already launched)."""
+        if self.round_active():
+            self._close_round()
+
     def _close_round(self) -> None:
         """Launch every bucket the current round still owes, in order."""
         for i in range(self._cursor, len(self.buckets)):
