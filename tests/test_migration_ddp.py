@@ -321,3 +321,68 @@ def test_torch_clip_grad_norm_sees_no_gradients(world):
     for noop, torch_norm, norm in world(2, _torch_clip_is_noop, timeout=60):
         assert noop and torch_norm == 0.0 and norm > 0.0, (noop, torch_norm, norm)
 
+
+
+# ---------------------------------------------------------------------- the wiring
+# These check that DistributedFusedAdam calls the torch_compat helpers (see their
+# docstrings for the places); they fail until it does.
+def test_optimizer_rejects_unknown_param_group_key():
+    model = make_model(1)
+    groups = param_groups(model)
+    groups[0]["weight_dacay"] = groups[0].pop("weight_decay")
+    with pytest.raises(ValueError, match="unknown key 'weight_dacay'"):
+        DistributedFusedAdam(groups, lr=LR)
+    with pytest.raises(ValueError, match="maximize=True"):
+        DistributedFusedAdam([{"params": list(model.parameters()), "maximize": True}])
+    opt = DistributedFusedAdam(param_groups(model), lr=LR)
+    torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)  # adds keys: fine
+    with pytest.raises(ValueError, match="'momentum'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))],
+                             "momentum": 0.9})
+
+
+def _ddp_wrapped_warns():
+    import warnings
+
+    inner = make_model(1)
+    ddp = DDP(inner)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        DistributedFusedAdam(param_groups(inner), lr=LR, module=ddp)
+    return [(x.category.__name__, str(x.message), x.filename) for x in w]
+
+
+def test_optimizer_warns_when_module_is_ddp(world):
+    for got in world(2, _ddp_wrapped_warns, timeout=60):
+        ours = [g for g in got if g[0] == "MigrationWarning"]
+        assert len(ours) == 1 and "DistributedDataParallel" in ours[0][1], got
+        assert ours[0][2] == __file__, got  # points at the user's line
+
+
+def _state_dict_on_rank0_only():
+    import time
+
+    os.environ[tc.COLLECTIVE_CHECK_ENV] = "3"
+    try:
+        model, opt, _, _ = mpzero_setup(1234, False)
+        x, y = data(1)[0][dist.get_rank()][0]
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        t = time.perf_counter()
+        if dist.get_rank() == 0:
+            try:
+                opt.state_dict()
+            except tc.CollectiveMismatchError as e:
+                return str(e), time.perf_counter() - t
+            return None, time.perf_counter() - t
+        return "not called", 0.0
+    finally:
+        del os.environ[tc.COLLECTIVE_CHECK_ENV]
+
+
+def test_state_dict_on_rank0_only_fails_in_bounded_time(world):
+    """The DDP habit ``if rank == 0: torch.save(optimizer.state_dict(), ...)``: an error
+    within the timeout that says every rank must call it, not a hang."""
+    (msg, took), _ = world(2, _state_dict_on_rank0_only, timeout=25)
+    assert msg and "every rank" in msg and "state_dict" in msg, msg
+    assert took < 20, took

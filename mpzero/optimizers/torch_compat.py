@@ -33,6 +33,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mpzero import comm
 from mpzero.optimizers.options import OptionError
 
 __all__ = [
@@ -298,7 +299,7 @@ def check_collective_entry(name: str, group=None, *, timeout: float | None = Non
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if type(group).__name__ == "_SelfGroup":  # mpzero.comm.SELF: one rank
+    if group is comm.SELF:  # one rank
         return
     limit = collective_check_timeout(timeout)
     if limit == 0:
