@@ -189,6 +189,9 @@ def _collective_cases():
         del os.environ[tc.COLLECTIVE_CHECK_ENV]
     out["rank0_s"] = time.perf_counter() - t
     dist.barrier()
+    # ... and rank 0 withdrew: the same call made on every rank now pairs up.
+    tc.check_collective_entry("state_dict()_test_rank0", timeout=10)
+    tc.check_collective_entry("state_dict()_test_rank0", timeout=10)
     # 5. the group of one rank and comm.SELF: no store traffic, no wait.
     from mpzero import comm
 

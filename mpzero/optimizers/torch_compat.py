@@ -285,8 +285,10 @@ def check_collective_entry(name: str, group=None, *, timeout: float | None = Non
     for a group of one rank, on ranks outside ``group``, for ``comm.SELF``, or
     with the timeout 0.
 
-    After a timeout this rank's counter is ahead of the ranks that never came: the
-    job is broken anyway (the error says so); restart it.
+    On a timeout the rank withdraws its arrival before raising, so a later call made
+    on every rank pairs up again. (A rank that arrives in the microseconds between
+    the timeout and the withdrawal passes and then waits in the collective; the
+    job is broken at that point anyway, and the error says why.)
 
     Where to call it (``DistributedFusedAdam``), as the first statement, before any
     collective: ``state_dict`` (``check_collective_entry("state_dict()",
@@ -328,8 +330,11 @@ def check_collective_entry(name: str, group=None, *, timeout: float | None = Non
     try:
         store.wait([done_key], datetime.timedelta(seconds=limit))
     except RuntimeError:  # DistStoreError: timed out (or the store went away)
+        # Withdraw, so the ranks' counters agree again and a later call (e.g. the
+        # corrected one on every rank) pairs up. The add returns how many are left.
+        _CALLS[(name, rkey)] = n - 1
         try:
-            got = store.add(count_key, 0)
+            got = store.add(count_key, -1) + 1
         except RuntimeError:
             got = arrived
         raise CollectiveMismatchError(
