@@ -271,7 +271,7 @@ def _remainders_with_fp32_bucket(grid, how):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["bucket", "params"])
 @pytest.mark.parametrize("world_size,grid", [(1, "flat"), (2, "flat"), (4, "2x2")])
-@pytest.mark.xfail(reason="open: fails against the current optimizer, under investigation", strict=False)
+@pytest.mark.xfail(reason="open: fails against the current optimizer", strict=False)
 def test_remainders_with_fp32_param_bucket(world, world_size, grid, how):
     assert all(world(world_size, _remainders_with_fp32_bucket, grid, how))
 
@@ -435,7 +435,7 @@ def _torch_unscale():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.xfail(reason="open: fails against the current optimizer, under investigation", strict=False)
+@pytest.mark.xfail(reason="open: fails against the current optimizer", strict=False)
 def test_torch_scaler_unscale_works_or_refuses_clearly(world):
     if not torch.amp.GradScaler("cpu").is_enabled():
         pytest.skip("torch.amp.GradScaler('cpu') is disabled in this torch build")
@@ -749,7 +749,7 @@ def _step_in_state():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(reason="open: fails against the current optimizer, under investigation", strict=False)
+@pytest.mark.xfail(reason="open: fails against the current optimizer", strict=False)
 def test_step_count_in_per_param_state(world):
     assert all(world(2, _step_in_state))
 

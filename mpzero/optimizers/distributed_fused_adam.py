@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mpzero import comm
-from mpzero.optimizers import checkpoint
+from mpzero.optimizers import checkpoint, torch_compat
 from mpzero.optimizers.flat import flat_like, is_dense
 from mpzero.optimizers.layout import LayoutBuilder
 from mpzero.optimizers.layout_state import LayoutMixin
@@ -121,6 +121,8 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults)
+        for gi, g in enumerate(self.param_groups):  # options we would silently ignore
+            torch_compat.check_param_group_options(g, gi, adam_w_mode=adam_w_mode)
         self.device = device
         self.adam_w_mode = adam_w_mode
         self.average_grad_sync = average_grad_sync
@@ -210,6 +212,8 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
             raise RuntimeError("add_param_group: the bucket layout is already made (by a "
                                "gradient hook, step(), state_dict() or grad_sync()); add "
                                "every param group before the first backward")
+        torch_compat.check_param_group_options(param_group, len(self.param_groups),
+                                               adam_w_mode=self.adam_w_mode)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         for p in self.param_groups[gi]["params"]:
@@ -312,6 +316,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         """Drive ``overlap_param_sync`` from ``module``'s forward pre-hooks: each
         submodule gathers the buckets of its own parameters (prefetching one ahead)
         just before its forward runs."""
+        torch_compat.warn_if_wrapped_in_ddp(module)
         self._attached.append(module)
         for m in module.modules():
             owned = [self._index[id(p)] for p in m.parameters(recurse=False)
@@ -338,6 +343,8 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
             raise ValueError(f"state_dict(state_dict_format={state_dict_format!r}): only "
                              f"format {checkpoint.FORMAT} is written")
         del gather_on_root
+        # Fail in bounded time, not hang, when only some ranks call it (e.g. rank 0 alone).
+        torch_compat.check_collective_entry("state_dict()", self.process_group)
         self._ensure_layout()
         self._check_fingerprint()
         self.param_sync()
