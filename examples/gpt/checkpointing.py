@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from mpzero import parallel_state
 from mpzero import tensor_parallel as tp
 
 FORMAT = "mpzero-gpt-checkpoint-1"
+_ITER_NAME = re.compile(r"iter_\d{7,}")
 
 
 class CheckpointError(RuntimeError):
@@ -103,12 +105,25 @@ def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
 
 
 def read_latest(save_dir: str | Path) -> Path | None:
-    """The directory ``latest`` points to, or None when there is no checkpoint."""
+    """The directory ``latest`` points to, or None when there is none or ``latest`` is not
+    a readable ``iter_NNNNNNN`` name of an existing directory (garbage is tolerated: the
+    resume scans the ``iter_*`` directories anyway)."""
     try:
-        tag = (Path(save_dir) / "latest").read_text().strip()
-    except FileNotFoundError:
+        tag = (Path(save_dir) / "latest").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not _ITER_NAME.fullmatch(tag) or not (Path(save_dir) / tag).is_dir():
         return None
     return Path(save_dir) / tag
+
+
+def list_checkpoints(save_dir: str | Path) -> list[Path]:
+    """The ``iter_*`` directories of ``save_dir``, newest first."""
+    try:
+        dirs = [d for d in Path(save_dir).iterdir() if _ITER_NAME.fullmatch(d.name)]
+    except OSError:
+        return []
+    return sorted(dirs, key=lambda d: int(d.name[5:]), reverse=True)
 
 
 def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
@@ -144,6 +159,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
                     *, data_state: dict | None = None, args: dict | None = None) -> Path:
     """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir."""
     r = _ranks()
+    t0 = time.perf_counter()
     out = iteration_dir(save_dir, iteration)
     out.mkdir(parents=True, exist_ok=True)
     if _distributed():
@@ -173,6 +189,9 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
     if _distributed():
         dist.barrier()
+    if r["rank"] == 0:
+        print(f"saved checkpoint iter {iteration} to {out} in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
     return out
 
 
@@ -208,20 +227,78 @@ def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def resolve_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path | None:
-    """The checkpoint dir of ``iteration``, or the latest one (None when there is none)."""
-    if iteration is not None:
-        return iteration_dir(load_dir, iteration)
-    return read_latest(load_dir)
+def _verify_local(ckpt: Path, r: dict) -> str | None:
+    """Why this rank cannot load ``ckpt`` (None: it can). Checks the files this rank
+    reads (checksums); rank 0 also checks that every file of the manifest exists."""
+    try:
+        manifest = read_manifest(ckpt)
+        names = [f"model_tp{r['tp_rank']:02d}.pt"]
+        rng = f"rng_rank{r['rank']:05d}.pt"
+        if manifest.get("world_size") == r["world"] and rng in manifest["files"]:
+            names.append(rng)
+        for name in names:
+            path = ckpt / name
+            expected = manifest["files"].get(name)
+            if expected is None:
+                return f"{name} is not listed in {ckpt}/manifest.json (incomplete save)"
+            if not path.exists():
+                return f"{path} is missing"
+            if sha256_file(path) != expected:
+                return f"checksum mismatch for {path} (truncated, corrupted or half-written)"
+        if r["rank"] == 0:
+            for name in manifest["files"]:
+                if not (ckpt / name).exists():
+                    return f"{ckpt / name} is missing (listed in the manifest)"
+    except CheckpointError as e:
+        return str(e)
+    except (OSError, KeyError, TypeError, AttributeError) as e:
+        return f"{ckpt}: unreadable ({e!r})"
+    return None
+
+
+def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
+    """The newest checkpoint of ``load_dir`` that verifies on EVERY rank (collective:
+    every rank gets the same answer). Broken ones are reported with their path and
+    skipped. None when ``load_dir`` has no checkpoint at all; a :class:`CheckpointError`
+    on every rank when there are checkpoints but none verifies everywhere."""
+    r = _ranks()
+    candidates = list_checkpoints(load_dir)
+    if _distributed():  # every rank walks the same list (rank 0's view of the directory)
+        box = [[str(c) for c in candidates]]
+        dist.broadcast_object_list(box, src=0)
+        candidates = [Path(c) for c in box[0]]
+    reasons = []
+    for ckpt in candidates:
+        why = _verify_local(ckpt, r)
+        ok = torch.tensor([0.0 if why else 1.0])
+        if _distributed():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if why:
+            print(f"rank {r['rank']}: skipping checkpoint {ckpt}: {why}", flush=True)
+        if ok.item() == 1.0:
+            return ckpt
+        reasons.append(f"{ckpt}: {why or 'fails on another rank'}")
+        if r["rank"] == 0 and not why:
+            print(f"skipping checkpoint {ckpt}: it does not verify on every rank", flush=True)
+    if candidates:
+        raise CheckpointError(f"no checkpoint in {load_dir} verifies on every rank: "
+                              + "; ".join(reasons))
+    return None
 
 
 def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None,
                     *, iteration: int | None = None, load_rng: bool = True) -> dict | None:
     """Load model (this TP rank's shard), optimizer and RNG; returns the manifest.
 
-    Returns None when ``load_dir`` holds no checkpoint. Every rank must call it
-    (loading DistributedFusedAdam's state is collective)."""
-    ckpt = resolve_checkpoint(load_dir, iteration)
+    Without ``iteration``, the newest checkpoint that verifies on every rank
+    (:func:`find_loadable_checkpoint`). Returns None when ``load_dir`` holds no
+    checkpoint. Every rank must call it (the choice and the optimizer load are
+    collective)."""
+    t0 = time.perf_counter()
+    if iteration is not None:
+        ckpt = iteration_dir(load_dir, iteration)
+    else:
+        ckpt = find_loadable_checkpoint(load_dir)
     if ckpt is None:
         return None
     manifest = read_manifest(ckpt)
@@ -232,12 +309,18 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
             f"{manifest['tensor_model_parallel_size']}, this run has {r['tp_size']} (merge "
             "the shards with merge_tensor_parallel_shards to change it)")
     shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
-    model.load_state_dict(shard["model"])
+    try:
+        model.load_state_dict(shard["model"])
+    except RuntimeError as e:  # wrong model: shapes or names differ
+        raise CheckpointError(f"{ckpt} does not fit this model: {e}") from e
     if optimizer is not None:
         optimizer.load_state_dict(shard["optimizer"])
     rng_name = f"rng_rank{r['rank']:05d}.pt"
     if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
         set_rng_state(verified_load(ckpt, rng_name, manifest))
+    if r["rank"] == 0:
+        print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
     return manifest
 
 
