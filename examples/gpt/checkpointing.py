@@ -34,8 +34,10 @@ import torch.distributed as dist
 
 from mpzero import parallel_state
 from mpzero import tensor_parallel as tp
+from mpzero.checkpoint import dcp as mdcp
 
 FORMAT = "mpzero-gpt-checkpoint-1"
+DCP_DIR = "dcp"
 _ITER_NAME = re.compile(r"iter_\d{7,}")
 
 
@@ -155,18 +157,50 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------- save
 
 
+def _tp_group():
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def _save_dcp(out: Path, model, optimizer, r: dict) -> dict[str, str]:
+    """The torch_dist format: model and optimizer shards through DCP in ``out/dcp``; each
+    rank checksums the file it wrote (rank 0 also DCP's metadata and mpzero.json)."""
+    mdcp.save_sharded(out / DCP_DIR, model, optimizer, tp_group=_tp_group())
+    written = {}
+    names = [f"__{r['rank']}_0.distcp"] + ([".metadata", mdcp.META] if r["rank"] == 0 else [])
+    for name in names:
+        if (out / DCP_DIR / name).exists():
+            written[f"{DCP_DIR}/{name}"] = sha256_file(out / DCP_DIR / name)
+    return written
+
+
 def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module, optimizer,
-                    *, data_state: dict | None = None, args: dict | None = None) -> Path:
-    """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir."""
+                    *, data_state: dict | None = None, args: dict | None = None,
+                    ckpt_format: str = "torch_dist") -> Path:
+    """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir.
+
+    ``ckpt_format="torch_dist"`` (needs an optimizer with ``sharded_state_dict``, i.e.
+    DistributedFusedAdam; others fall back to "torch"): every rank writes only its model
+    and optimizer shards through torch.distributed.checkpoint, loadable at any TP size
+    and optimizer grid. ``"torch"``: one file per TP rank with the format-2 state."""
     r = _ranks()
     t0 = time.perf_counter()
     out = iteration_dir(save_dir, iteration)
     out.mkdir(parents=True, exist_ok=True)
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
+    if ckpt_format == "torch_dist" and not (_distributed()
+                                            and hasattr(optimizer, "sharded_state_dict")):
+        ckpt_format = "torch"
     if _distributed():
         dist.barrier()  # the directory exists for everyone (shared file systems lag)
-    optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
     written: dict[str, str] = {}
-    if r["dp_rank"] == 0:
+    if ckpt_format == "torch_dist":
+        written.update(_save_dcp(out, model, optimizer, r))
+    else:
+        optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
+    if ckpt_format == "torch" and r["dp_rank"] == 0:
         name = f"model_tp{r['tp_rank']:02d}.pt"
         written[name] = atomic_torch_save(
             {"model": _cpu_state(model), "partition_dims": partition_dims(model),
@@ -184,6 +218,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         manifest = {"format": FORMAT, "iteration": iteration, "time": time.time(),
                     "tensor_model_parallel_size": r["tp_size"],
                     "data_parallel_size": r["dp_size"], "world_size": r["world"],
+                    "ckpt_format": ckpt_format,
                     "data": data_state, "args": args, "files": files}
         atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
         atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
@@ -232,7 +267,11 @@ def _verify_local(ckpt: Path, r: dict) -> str | None:
     reads (checksums); rank 0 also checks that every file of the manifest exists."""
     try:
         manifest = read_manifest(ckpt)
-        names = [f"model_tp{r['tp_rank']:02d}.pt"]
+        if manifest.get("ckpt_format") == "torch_dist":  # every rank reads any file:
+            names = [n for k, n in enumerate(sorted(manifest["files"]))  # split the checks
+                     if n.startswith(DCP_DIR + "/") and k % r["world"] == r["rank"]]
+        else:
+            names = [f"model_tp{r['tp_rank']:02d}.pt"]
         rng = f"rng_rank{r['rank']:05d}.pt"
         if manifest.get("world_size") == r["world"] and rng in manifest["files"]:
             names.append(rng)
@@ -303,6 +342,16 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
         return None
     manifest = read_manifest(ckpt)
     r = _ranks()
+    if manifest.get("ckpt_format") == "torch_dist":
+        try:
+            mdcp.load_sharded(ckpt / DCP_DIR, model, optimizer, tp_group=_tp_group())
+        except ValueError as e:  # wrong model or grid that cannot be resharded
+            raise CheckpointError(f"{ckpt} does not fit this run: {e}") from e
+        _load_rng(ckpt, manifest, r, load_rng)
+        if r["rank"] == 0:
+            print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        return manifest
     if manifest["tensor_model_parallel_size"] != r["tp_size"]:
         raise CheckpointError(
             f"{ckpt} was saved with tensor_model_parallel_size="
@@ -315,18 +364,43 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
         raise CheckpointError(f"{ckpt} does not fit this model: {e}") from e
     if optimizer is not None:
         optimizer.load_state_dict(shard["optimizer"])
-    rng_name = f"rng_rank{r['rank']:05d}.pt"
-    if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
-        set_rng_state(verified_load(ckpt, rng_name, manifest))
+    _load_rng(ckpt, manifest, r, load_rng)
     if r["rank"] == 0:
         print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
     return manifest
 
 
+def _load_rng(ckpt: Path, manifest: dict, r: dict, load_rng: bool) -> None:
+    rng_name = f"rng_rank{r['rank']:05d}.pt"
+    if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
+        set_rng_state(verified_load(ckpt, rng_name, manifest))
+
+
+def verify_all(ckpt_dir: str | Path) -> list[str]:
+    """Problems of a checkpoint (every file's checksum, in one process); [] when sound."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    for name, digest in manifest["files"].items():
+        path = Path(ckpt_dir) / name
+        if not path.exists():
+            problems.append(f"{path} is missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"checksum mismatch for {path}")
+    return problems
+
+
 def merge_tensor_parallel_shards(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full (TP=1) model state dict of a checkpoint, every file verified."""
     manifest = read_manifest(ckpt_dir)
+    if manifest.get("ckpt_format") == "torch_dist":
+        problems = verify_all(ckpt_dir)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return mdcp.consolidate(Path(ckpt_dir) / DCP_DIR, optimizer=False)["model"]
     shards = [verified_load(ckpt_dir, f"model_tp{t:02d}.pt", manifest)
               for t in range(manifest["tensor_model_parallel_size"])]
     dims = shards[0]["partition_dims"]

@@ -114,6 +114,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--load-iteration", type=int, default=None, help="default: latest")
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist: each rank writes its shards (DCP), loads at any grid; "
+                        "torch: one format-2 file per TP rank")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) at iterations divisible by this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -411,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(it: int) -> None:
         checkpointing.save_checkpoint(args.save, it, model, optimizer,
-                                      data_state=sampler.state_dict(), args=vars(args))
+                                      data_state=sampler.state_dict(), args=vars(args),
+                                      ckpt_format=args.ckpt_format)
 
     def run_eval(it: int) -> None:
         val = evaluate(model, val_tokens, args, device, autocast)

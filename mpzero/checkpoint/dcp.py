@@ -36,6 +36,14 @@ DCP_FORMAT = "mpzero-dcp-1"
 META = "mpzero.json"
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _range_key(prefix: str, start: int, end: int) -> str:
     return f"{prefix}/{start}-{end}"
 
@@ -86,7 +94,7 @@ def save_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
-    meta: dict = {"format": DCP_FORMAT, "world_size": dist.get_world_size(),
+    meta: dict = {"format": DCP_FORMAT, "world_size": _world(),
                   "extra": extra or {}}
     if model is not None:
         state.update(_model_items(model, tp_group))
@@ -105,7 +113,7 @@ def save_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
                          "shapes": {str(i): list(s) for i, s in sd["shapes"].items()},
                          "distributed_size": optimizer.distributed_size,
                          "redundant_size": comm.group_size(optimizer.redundant_process_group)}
-    if dist.get_rank() == 0:  # before DCP's .metadata, which DCP writes last
+    if _rank() == 0:  # before DCP's .metadata, which DCP writes last
         tmp = directory / f".{META}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, directory / META)

@@ -127,7 +127,7 @@ def test_no_valid_checkpoint_stops_every_rank_with_the_same_error(saved, data_di
     shutil.copytree(saved, ckpt)
     (ckpt / "latest").write_text("iter_9999999 is not a checkpoint")
     (ckpt / "iter_0000004" / "rng_rank00001.pt").unlink()  # missing shard
-    model = ckpt / "iter_0000002" / "model_tp00.pt"
+    model = ckpt / "iter_0000002" / "dcp" / "__0_0.distcp"
     with open(model, "r+b") as f:  # truncated
         f.truncate(model.stat().st_size // 2)
     codes, text = _resume(data_dir, ckpt, tmp_path)
@@ -181,3 +181,17 @@ def test_nan_steps_are_skipped_then_the_run_stops(data_dir, tmp_path):
     assert "iteration 2: non-finite loss" in text[0] and "step skipped" in text[0]
     assert "iteration 7: 3 consecutive iterations" in text[0]
     assert "iteration 7: 3 consecutive iterations" in text[1]
+
+
+@pytest.mark.timeout(300)
+def test_other_grid_loads_and_wrong_model_is_refused(saved, data_dir, tmp_path):
+    # Saved by 2 ranks (dp 2) as torch_dist: one rank reshards it.
+    procs = launch(1, ["--data-dir", str(data_dir), "--train-iters", "4",
+                       "--load", str(saved)], tmp_path)
+    assert wait_all(procs, 120) == [0], logs(tmp_path, 1)
+    assert "loaded checkpoint iter 4 from" in logs(tmp_path, 1)[0]
+    hidden = TINY.index("--hidden-size") + 1
+    procs = launch(1, ["--data-dir", str(data_dir), "--train-iters", "4", "--load", str(saved),
+                       "--hidden-size", "48"], tmp_path)
+    text = logs(tmp_path, 1)[0] if wait_all(procs, 120) != [0] else "exit 0"
+    assert "does not fit this run" in text and TINY[hidden] == "32", text
