@@ -159,3 +159,31 @@ def test_tp_shards_load_at_other_tp_sizes(world, tmp_path):
         assert torch.equal(sd["up.weight"], full["up.weight"][4 * r:4 * r + 4])
         assert torch.equal(sd["down.weight"], full["down.weight"][:, 4 * r:4 * r + 4])
         torch.testing.assert_close(y, y1, rtol=1e-6, atol=1e-6)
+
+
+def _tp_optim(path, save):
+    model = _tp_model(2)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, **ps.get_optimizer_process_groups())
+    if save:
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+        model(x).square().sum().backward()
+        opt.step()
+        mdcp.save_sharded(path, model, opt, tp_group=ps.get_tensor_model_parallel_group())
+    else:
+        mdcp.load_sharded(path, model, opt, tp_group=ps.get_tensor_model_parallel_group())
+    return opt.state_dict()
+
+
+def test_tp_optimizer_states_are_kept_per_tp_rank(world, tmp_path):
+    path = str(tmp_path / "tpopt")
+    saved = world(2, _tp_optim, path, True)
+    assert not torch.equal(saved[0]["state"][0]["exp_avg"], saved[1]["state"][0]["exp_avg"])
+    loaded = world(2, _tp_optim, path, False)
+    for a, b in zip(saved, loaded):
+        for i in range(len(a["state"]) - 1):
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(a["state"][i][k], b["state"][i][k]), (i, k)
+    merged = mdcp.consolidate(path)["optimizer"]["state"]
+    assert torch.equal(merged[0]["exp_avg"],  # up.weight: rows split over TP
+                       torch.cat([saved[0]["state"][0]["exp_avg"],
+                                  saved[1]["state"][0]["exp_avg"]], 0))

@@ -44,6 +44,17 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _tp_coords(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return comm.group_size(tp_group), comm.group_rank(tp_group)
+
+
+def _optim_prefix(tp_rank: int, tp_size: int) -> str:
+    """Optimizer keys: each TP rank's optimizer has its own (TP-local) parameters."""
+    return "optim/" if tp_size == 1 else f"optim/tp{tp_rank}/"
+
+
 def _range_key(prefix: str, start: int, end: int) -> str:
     return f"{prefix}/{start}-{end}"
 
@@ -103,16 +114,21 @@ def save_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
         meta["tensor_model_parallel_size"] = (dist.get_world_size(tp_group)
                                               if tp_group is not None else 1)
     if optimizer is not None:
+        tp_size, tp_rank = _tp_coords(tp_group)
+        prefix = _optim_prefix(tp_rank, tp_size)
         sd = optimizer.sharded_state_dict()
         for param, start, end, tensors in sd["pieces"]:
             for key, t in tensors.items():
-                state[_range_key(f"optim/{param}/{key}", start, end)] = t
+                state[_range_key(f"{prefix}{param}/{key}", start, end)] = t
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         step = sd["step"]
         meta["optim"] = {"param_groups": sd["param_groups"],
                          "step": int(step.item() if isinstance(step, torch.Tensor) else step),
                          "shapes": {str(i): list(s) for i, s in sd["shapes"].items()},
                          "distributed_size": optimizer.distributed_size,
-                         "redundant_size": comm.group_size(optimizer.redundant_process_group)}
+                         "redundant_size": comm.group_size(optimizer.redundant_process_group),
+                         "tensor_model_parallel_size": tp_size,
+                         "param_names": [names.get(id(p)) for p in optimizer.parameters()]}
     if _rank() == 0:  # before DCP's .metadata, which DCP writes last
         tmp = directory / f".{META}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
@@ -203,8 +219,16 @@ def _model_state(directory, meta, keys, model, tp_group) -> dict[str, torch.Tens
     return out
 
 
-def _optim_pieces(directory, meta, keys, optimizer) -> dict[int, list]:
+def _optim_pieces(directory, meta, keys, optimizer, tp_group) -> dict[int, list]:
     """The saved pieces overlapping this rank's shards: ``{param: [(start, end, {key: t})]}``."""
+    tp_size, tp_rank = _tp_coords(tp_group)
+    saved_tp = meta["optim"].get("tensor_model_parallel_size", 1)
+    if saved_tp != tp_size:
+        raise ValueError(f"{directory}: the optimizer state was saved at "
+                         f"tensor_model_parallel_size={saved_tp}, this run has {tp_size}; "
+                         "load it at the same TP size (any data-parallel grid), or load the "
+                         "model only")
+    prefix = _optim_prefix(tp_rank, tp_size)
     optimizer._ensure_layout()
     mine: dict[int, list[tuple[int, int]]] = {}
     for lay in optimizer._layouts:
@@ -214,7 +238,7 @@ def _optim_pieces(directory, meta, keys, optimizer) -> dict[int, list]:
     for param, spans in mine.items():
         for lo, hi in spans:
             for key in optim_ckpt.STATE_KEYS:
-                for k, s, e in _overlapping(keys, f"optim/{param}/{key}", lo, hi):
+                for k, s, e in _overlapping(keys, f"{prefix}{param}/{key}", lo, hi):
                     wanted[k] = keys[k]
                     ranges.setdefault((param, s, e), {})[key] = k
     got = _read(directory, wanted)
@@ -241,7 +265,7 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
             raise ValueError(f"{directory} holds no optimizer state")
         optimizer._ensure_layout()
         optimizer.param_sync()
-        pieces = _optim_pieces(directory, meta, keys, optimizer)
+        pieces = _optim_pieces(directory, meta, keys, optimizer, tp_group)
         shapes = {int(i): tuple(s) for i, s in om["shapes"].items()}
         optim_ckpt._check_groups(optimizer, om["param_groups"])
         optim_ckpt._check_pieces(optimizer, lambda i: pieces.get(i, []), shapes)
@@ -274,20 +298,30 @@ def consolidate(directory: str | os.PathLike, *, optimizer: bool = True) -> dict
     if optimizer and "optim" in meta:
         om = meta["optim"]
         got = _read(directory, {k: v for k, v in keys.items() if k.startswith("optim/")})
+        tp_size = om.get("tensor_model_parallel_size", 1)
         state: dict = {}
         for i, shape in om["shapes"].items():
             numel = int(torch.Size(shape).numel())
             st = {}
             for key in optim_ckpt.STATE_KEYS:
-                flat = torch.zeros(numel, dtype=torch.float32)
-                covered = 0
-                for k, s, e in _overlapping(keys, f"optim/{i}/{key}", 0, numel):
-                    flat[s:e] = got[k]
-                    covered += e - s
-                if covered != numel:
-                    raise ValueError(f"{directory}: parameter {i} {key!r} covers {covered} "
-                                     f"of {numel} elements")
-                st[key] = flat.view(shape)
+                parts = []
+                for t in range(tp_size):
+                    flat = torch.zeros(numel, dtype=torch.float32)
+                    covered = 0
+                    for k, s, e in _overlapping(keys, f"{_optim_prefix(t, tp_size)}{i}/{key}",
+                                                0, numel):
+                        flat[s:e] = got[k]
+                        covered += e - s
+                    if covered != numel:
+                        raise ValueError(f"{directory}: parameter {i} {key!r} covers "
+                                         f"{covered} of {numel} elements")
+                    parts.append(flat.view(shape))
+                name = (om.get("param_names") or [None] * (int(i) + 1))[int(i)]
+                dim = meta.get("model", {}).get(name, {}).get("dim") if name else None
+                if tp_size > 1 and dim is None and name is None:
+                    raise ValueError(f"{directory}: parameter {i} has no model name; cannot "
+                                     "merge its TP shards")
+                st[key] = parts[0] if dim is None else torch.cat(parts, dim)
             st["step"] = om["step"]
             state[int(i)] = st
         state["step"] = om["step"]
