@@ -195,3 +195,30 @@ def test_other_grid_loads_and_wrong_model_is_refused(saved, data_dir, tmp_path):
                        "--hidden-size", "48"], tmp_path)
     text = logs(tmp_path, 1)[0] if wait_all(procs, 120) != [0] else "exit 0"
     assert "does not fit this run" in text and TINY[hidden] == "32", text
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_cli_inspect_consolidate_export(saved, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from mpzero.checkpoint.__main__ import main as cli
+
+    assert cli(["inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 4" in out and "all checksums verified" in out and "tp 1" in out
+    assert cli(["consolidate", str(saved), str(tmp_path / "full")]) == 0
+    model = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    optim = torch.load(tmp_path / "full" / "optimizer.pt", weights_only=True)
+    assert optim["format"] == 2 and optim["state"]["step"] == 4
+    assert cli(["export", str(saved), str(tmp_path / "m.safetensors"), "--dtype", "fp32"]) == 0
+    weights = load_file(tmp_path / "m.safetensors")
+    assert weights.keys() == {k for k, v in model.items() if v.is_floating_point()}
+    assert all(torch.equal(weights[k], model[k].float()) for k in weights)
+    bad = tmp_path / "bad"
+    shutil.copytree(saved / "iter_0000004", bad)
+    with open(bad / "dcp" / "__1_0.distcp", "r+b") as f:
+        f.truncate(10)
+    capsys.readouterr()
+    assert cli(["inspect", str(bad)]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
