@@ -2,9 +2,12 @@
 
 Layout of ``--save DIR``::
 
-    DIR/latest                       "iter_0000100"       written last (atomic)
+    DIR/latest                       "iter_0000100"       written last (atomic; a hint only)
     DIR/iter_0000100/
-        model_tp00.pt, model_tp01.pt one per TP rank: {"model", "partition_dims", "optimizer"}
+        dcp/                         --ckpt-format torch_dist (default): every rank's model
+                                     and optimizer shards (mpzero.checkpoint.dcp)
+        model_tp00.pt, model_tp01.pt --ckpt-format torch: one per TP rank:
+                                     {"model", "partition_dims", "optimizer"}
         rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
         manifest.json                iteration, args, data position, grid, sha256 of each file
 
@@ -17,7 +20,8 @@ distributed x redundant grid. Every file goes to a temporary name in the same
 directory, is fsynced and ``os.replace``d into place; ``manifest.json`` (with
 the checksums) comes after all files, ``latest`` after the manifest. A crash
 mid-save leaves ``latest`` on the previous checkpoint, and a corrupted file is
-refused on load (checksum mismatch).
+refused on load (checksum mismatch). Resuming picks the newest checkpoint that
+verifies on every rank (:func:`find_loadable_checkpoint`); see docs/reliability.md.
 """
 
 from __future__ import annotations
