@@ -155,9 +155,10 @@ def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_kill_9_of_one_rank_stops_all_within_60s(data_dir, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
     procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", "100000",
-                       "--dist-timeout", "30"], tmp_path)
-    wait_for(tmp_path, "iter      2 |", 180)
+                       "--dist-timeout", "30", "--save", ckpt, "--save-interval", "2"], tmp_path)
+    wait_for(tmp_path, "saved checkpoint iter 2 ", 180)
     procs[2][0].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     codes = wait_all(procs, 60)
@@ -168,6 +169,14 @@ def test_kill_9_of_one_rank_stops_all_within_60s(data_dir, tmp_path):
     assert elapsed < 60
     for r in (0, 1, 3):
         assert "a collective failed" in text[r], text[r][-3000:]
+    # Relaunch: resumes from the newest save that verifies (a save cut short is skipped).
+    last = max(int(t.split()[0]) for t in text[0].split("saved checkpoint iter ")[1:])
+    relaunch = tmp_path / "relaunch"
+    relaunch.mkdir()
+    procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", str(last + 1),
+                       "--load", ckpt, "--save", ckpt], relaunch)
+    assert wait_all(procs, 120) == [0, 0, 0, 0], logs(relaunch, 4)
+    assert f"loaded checkpoint iter {last} from" in logs(relaunch, 4)[0]
 
 
 @pytest.mark.timeout(300)
