@@ -43,7 +43,7 @@ def _save(path):
 
 
 def _resume(path, grid, bucket, reverse_init, sharded):
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     model, opt = _make(grid, bucket, reverse_init)
     model.load_state_dict(saved["model"])
     if sharded:
@@ -91,7 +91,7 @@ def test_reshard_and_continue(world, saved, world_size, grid, bucket, reverse_in
 
 def test_format_2_layout(saved):
     path, _ = saved
-    sd = torch.load(path, weights_only=False)["optim"]
+    sd = torch.load(path, weights_only=True)["optim"]
     assert sd["format"] == 2
     assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3, 4, 5, 6, 7]]
     g0 = sd["param_groups"][0]
@@ -109,7 +109,7 @@ def _bad_load(path):
     model, opt = _make("flat", TINY)
     with pytest.raises(ValueError, match="format"):
         opt.load_state_dict({"format": 1})
-    sd = torch.load(path, weights_only=False)["optim"]
+    sd = torch.load(path, weights_only=True)["optim"]
     sd["param_groups"] = sd["param_groups"][:1]
     with pytest.raises(ValueError, match="param groups"):
         opt.load_state_dict(sd)
@@ -162,3 +162,101 @@ def _in_memory_sharded():
 
 def test_load_sharded_state_dicts_in_memory(world):
     assert all(world(2, _in_memory_sharded))
+
+
+# --------------------------------------------------------------- all-or-nothing loads
+def _snapshot(opt):
+    sd = opt.state_dict()
+    return [g["lr"] for g in opt.param_groups], sd
+
+
+def _assert_unchanged(opt, before):
+    lrs, sd = before
+    assert [g["lr"] for g in opt.param_groups] == lrs
+    now = opt.state_dict()
+    assert now["state"]["step"] == sd["state"]["step"]
+    for i in range(8):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(now["state"][i][k], sd["state"][i][k]), (i, k)
+
+
+def _rejects_bad_states(path):
+    import copy
+
+    model, opt = _make("flat", TINY)
+    good = torch.load(path, weights_only=True)["optim"]
+    before = _snapshot(opt)
+    cases = []
+    t = copy.deepcopy(good)  # transposed: same element count, wrong shape
+    t["state"][0]["exp_avg"] = t["state"][0]["exp_avg"].t().contiguous()
+    t["param_groups"][1]["lr"] = 123.0
+    cases.append((t, r"state\[0\]\['exp_avg'\] has shape \(7, 13\)"))
+    m = copy.deepcopy(good)  # a key missing in the last parameter
+    del m["state"][7]["exp_avg_sq"]
+    m["param_groups"][0]["lr"] = 123.0
+    cases.append((m, r"state\[7\] has no 'exp_avg_sq'"))
+    n = copy.deepcopy(good)
+    del n["state"][5]
+    cases.append((n, "no state for parameter 5"))
+    s = copy.deepcopy(good)
+    del s["state"]["step"]
+    cases.append((s, "no 'step'"))
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(bad)
+        _assert_unchanged(opt, before)
+    return True
+
+
+def test_load_is_all_or_nothing(world, saved):
+    assert all(world(1, _rejects_bad_states, saved[0]))
+
+
+def _torch_round_trip(path):
+    good = torch.load(path, weights_only=True)
+    model, opt = _make("flat", TINY)
+    model.load_state_dict(good["model"])
+    opt.load_state_dict(good["optim"])
+    sd = opt.state_dict()
+    exported = ckpt.to_torch_state_dict(sd)
+    adamw = torch.optim.AdamW(
+        [{"params": [model.fc1.weight, model.fc2.weight]},
+         {"params": [p for n, p in model.named_parameters()
+                     if n not in ("fc1.weight", "fc2.weight")]}])
+    adamw.load_state_dict(exported)
+    assert adamw.param_groups[1]["lr"] == 4e-3 and adamw.param_groups[0]["weight_decay"] == 0.1
+    back = adamw.state_dict()
+    assert "format" not in back and "param" not in back["state"][0]
+    model2, opt2 = _make("2x1" if dist.get_world_size() == 2 else "flat", 100.0, True)
+    model2.load_state_dict(good["model"])  # masters come from the parameters
+    opt2.load_state_dict(back)
+    again = opt2.state_dict()
+    assert again["state"]["step"] == sd["state"]["step"] == STEPS
+    for i in range(8):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(again["state"][i][k], sd["state"][i][k]), (i, k)
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in opt.param_groups]
+    # One more step: torch's AdamW from the exported state and DFA agree.
+    x, y = batches(1, 1, 1)[0][0][0]
+    ref = make_model()
+    ref.load_state_dict(good["model"])
+    ref_opt = torch.optim.AdamW(
+        [{"params": [ref.fc1.weight, ref.fc2.weight]},
+         {"params": [p for n, p in ref.named_parameters()
+                     if n not in ("fc1.weight", "fc2.weight")]}])
+    ref_opt.load_state_dict(ckpt.to_torch_state_dict(sd))
+    from dfa_common import loss_fn
+
+    loss_fn(ref, x, y).backward()
+    ref_opt.step()
+    opt2.zero_grad()
+    loss_fn(model2, x, y).backward()
+    opt2.step()
+    for p, q in zip(model2.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_torch_adamw_state_round_trip(world, saved, world_size):
+    assert all(world(world_size, _torch_round_trip, saved[0]))

@@ -46,12 +46,12 @@ def _hop(index, path):
     # Another bucket size at every hop, so the layout really changes.
     model, opt = _make(grid, TINY * (index + 1))
     if index > 0:
-        saved = torch.load(f"{path}.{index - 1}.model", weights_only=False)
+        saved = torch.load(f"{path}.{index - 1}.model", weights_only=True)
         model.load_state_dict(saved)
         if HOPS[index - 1][2] == "sharded":
             ckpt.load_sharded(opt, f"{path}.{index - 1}.sharded")
         else:
-            opt.load_state_dict(torch.load(f"{path}.{index - 1}.optim", weights_only=False))
+            opt.load_state_dict(torch.load(f"{path}.{index - 1}.optim", weights_only=True))
         assert opt.state_dict()["state"]["step"] == index * STEPS_PER_HOP
     data = batches(GLOBAL, STEPS_PER_HOP * len(HOPS), 1)
     first = index * STEPS_PER_HOP

@@ -2,9 +2,12 @@
 
 Layout of ``--save DIR``::
 
-    DIR/latest                       "iter_0000100"       written last (atomic)
+    DIR/latest                       "iter_0000100"       written last (atomic; a hint only)
     DIR/iter_0000100/
-        model_tp00.pt, model_tp01.pt one per TP rank: {"model", "partition_dims", "optimizer"}
+        dcp/                         --ckpt-format torch_dist (default): every rank's model
+                                     and optimizer shards (mpzero.checkpoint.dcp)
+        model_tp00.pt, model_tp01.pt --ckpt-format torch: one per TP rank:
+                                     {"model", "partition_dims", "optimizer"}
         rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
         manifest.json                iteration, args, data position, grid, sha256 of each file
 
@@ -17,7 +20,8 @@ distributed x redundant grid. Every file goes to a temporary name in the same
 directory, is fsynced and ``os.replace``d into place; ``manifest.json`` (with
 the checksums) comes after all files, ``latest`` after the manifest. A crash
 mid-save leaves ``latest`` on the previous checkpoint, and a corrupted file is
-refused on load (checksum mismatch).
+refused on load (checksum mismatch). Resuming picks the newest checkpoint that
+verifies on every rank (:func:`find_loadable_checkpoint`); see docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -33,8 +38,11 @@ import torch.distributed as dist
 
 from mpzero import parallel_state
 from mpzero import tensor_parallel as tp
+from mpzero.checkpoint import dcp as mdcp
 
 FORMAT = "mpzero-gpt-checkpoint-1"
+DCP_DIR = "dcp"
+_ITER_NAME = re.compile(r"iter_\d{7,}")
 
 
 class CheckpointError(RuntimeError):
@@ -103,12 +111,25 @@ def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
 
 
 def read_latest(save_dir: str | Path) -> Path | None:
-    """The directory ``latest`` points to, or None when there is no checkpoint."""
+    """The directory ``latest`` points to, or None when there is none or ``latest`` is not
+    a readable ``iter_NNNNNNN`` name of an existing directory (garbage is tolerated: the
+    resume scans the ``iter_*`` directories anyway)."""
     try:
-        tag = (Path(save_dir) / "latest").read_text().strip()
-    except FileNotFoundError:
+        tag = (Path(save_dir) / "latest").read_bytes().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not _ITER_NAME.fullmatch(tag) or not (Path(save_dir) / tag).is_dir():
         return None
     return Path(save_dir) / tag
+
+
+def list_checkpoints(save_dir: str | Path) -> list[Path]:
+    """The ``iter_*`` directories of ``save_dir``, newest first."""
+    try:
+        dirs = [d for d in Path(save_dir).iterdir() if _ITER_NAME.fullmatch(d.name)]
+    except OSError:
+        return []
+    return sorted(dirs, key=lambda d: int(d.name[5:]), reverse=True)
 
 
 def partition_dims(model: torch.nn.Module) -> dict[str, int | None]:
@@ -140,17 +161,50 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------- save
 
 
+def _tp_group():
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None
+
+
+def _save_dcp(out: Path, model, optimizer, r: dict) -> dict[str, str]:
+    """The torch_dist format: model and optimizer shards through DCP in ``out/dcp``; each
+    rank checksums the file it wrote (rank 0 also DCP's metadata and mpzero.json)."""
+    mdcp.save_sharded(out / DCP_DIR, model, optimizer, tp_group=_tp_group())
+    written = {}
+    names = [f"__{r['rank']}_0.distcp"] + ([".metadata", mdcp.META] if r["rank"] == 0 else [])
+    for name in names:
+        if (out / DCP_DIR / name).exists():
+            written[f"{DCP_DIR}/{name}"] = sha256_file(out / DCP_DIR / name)
+    return written
+
+
 def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module, optimizer,
-                    *, data_state: dict | None = None, args: dict | None = None) -> Path:
-    """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir."""
+                    *, data_state: dict | None = None, args: dict | None = None,
+                    ckpt_format: str = "torch_dist") -> Path:
+    """Write the checkpoint of ``iteration`` (every rank must call it). Returns its dir.
+
+    ``ckpt_format="torch_dist"`` (needs an optimizer with ``sharded_state_dict``, i.e.
+    DistributedFusedAdam; others fall back to "torch"): every rank writes only its model
+    and optimizer shards through torch.distributed.checkpoint, loadable at any TP size
+    and optimizer grid. ``"torch"``: one file per TP rank with the format-2 state."""
     r = _ranks()
+    t0 = time.perf_counter()
     out = iteration_dir(save_dir, iteration)
     out.mkdir(parents=True, exist_ok=True)
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
+    if ckpt_format == "torch_dist" and not (_distributed()
+                                            and hasattr(optimizer, "sharded_state_dict")):
+        ckpt_format = "torch"
     if _distributed():
         dist.barrier()  # the directory exists for everyone (shared file systems lag)
-    optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
     written: dict[str, str] = {}
-    if r["dp_rank"] == 0:
+    if ckpt_format == "torch_dist":
+        written.update(_save_dcp(out, model, optimizer, r))
+    else:
+        optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
+    if ckpt_format == "torch" and r["dp_rank"] == 0:
         name = f"model_tp{r['tp_rank']:02d}.pt"
         written[name] = atomic_torch_save(
             {"model": _cpu_state(model), "partition_dims": partition_dims(model),
@@ -168,11 +222,15 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         manifest = {"format": FORMAT, "iteration": iteration, "time": time.time(),
                     "tensor_model_parallel_size": r["tp_size"],
                     "data_parallel_size": r["dp_size"], "world_size": r["world"],
+                    "ckpt_format": ckpt_format,
                     "data": data_state, "args": args, "files": files}
         atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
         atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
     if _distributed():
         dist.barrier()
+    if r["rank"] == 0:
+        print(f"saved checkpoint iter {iteration} to {out} in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
     return out
 
 
@@ -208,42 +266,145 @@ def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def resolve_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path | None:
-    """The checkpoint dir of ``iteration``, or the latest one (None when there is none)."""
-    if iteration is not None:
-        return iteration_dir(load_dir, iteration)
-    return read_latest(load_dir)
+def _verify_local(ckpt: Path, r: dict) -> str | None:
+    """Why this rank cannot load ``ckpt`` (None: it can). Checks the files this rank
+    reads (checksums); rank 0 also checks that every file of the manifest exists."""
+    try:
+        manifest = read_manifest(ckpt)
+        if manifest.get("ckpt_format") == "torch_dist":  # every rank reads any file:
+            names = [n for k, n in enumerate(sorted(manifest["files"]))  # split the checks
+                     if n.startswith(DCP_DIR + "/") and k % r["world"] == r["rank"]]
+        else:
+            names = [f"model_tp{r['tp_rank']:02d}.pt"]
+        rng = f"rng_rank{r['rank']:05d}.pt"
+        if manifest.get("world_size") == r["world"] and rng in manifest["files"]:
+            names.append(rng)
+        for name in names:
+            path = ckpt / name
+            expected = manifest["files"].get(name)
+            if expected is None:
+                return f"{name} is not listed in {ckpt}/manifest.json (incomplete save)"
+            if not path.exists():
+                return f"{path} is missing"
+            if sha256_file(path) != expected:
+                return f"checksum mismatch for {path} (truncated, corrupted or half-written)"
+        if r["rank"] == 0:
+            for name in manifest["files"]:
+                if not (ckpt / name).exists():
+                    return f"{ckpt / name} is missing (listed in the manifest)"
+    except CheckpointError as e:
+        return str(e)
+    except (OSError, KeyError, TypeError, AttributeError) as e:
+        return f"{ckpt}: unreadable ({e!r})"
+    return None
+
+
+def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
+    """The newest checkpoint of ``load_dir`` that verifies on EVERY rank (collective:
+    every rank gets the same answer). Broken ones are reported with their path and
+    skipped. None when ``load_dir`` has no checkpoint at all; a :class:`CheckpointError`
+    on every rank when there are checkpoints but none verifies everywhere."""
+    r = _ranks()
+    candidates = list_checkpoints(load_dir)
+    if _distributed():  # every rank walks the same list (rank 0's view of the directory)
+        box = [[str(c) for c in candidates]]
+        dist.broadcast_object_list(box, src=0)
+        candidates = [Path(c) for c in box[0]]
+    reasons = []
+    for ckpt in candidates:
+        why = _verify_local(ckpt, r)
+        ok = torch.tensor([0.0 if why else 1.0])
+        if _distributed():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if why:
+            print(f"rank {r['rank']}: skipping checkpoint {ckpt}: {why}", flush=True)
+        if ok.item() == 1.0:
+            return ckpt
+        reasons.append(f"{ckpt}: {why or 'fails on another rank'}")
+        if r["rank"] == 0 and not why:
+            print(f"skipping checkpoint {ckpt}: it does not verify on every rank", flush=True)
+    if candidates:
+        raise CheckpointError(f"no checkpoint in {load_dir} verifies on every rank: "
+                              + "; ".join(reasons))
+    return None
 
 
 def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None,
                     *, iteration: int | None = None, load_rng: bool = True) -> dict | None:
     """Load model (this TP rank's shard), optimizer and RNG; returns the manifest.
 
-    Returns None when ``load_dir`` holds no checkpoint. Every rank must call it
-    (loading DistributedFusedAdam's state is collective)."""
-    ckpt = resolve_checkpoint(load_dir, iteration)
+    Without ``iteration``, the newest checkpoint that verifies on every rank
+    (:func:`find_loadable_checkpoint`). Returns None when ``load_dir`` holds no
+    checkpoint. Every rank must call it (the choice and the optimizer load are
+    collective)."""
+    t0 = time.perf_counter()
+    if iteration is not None:
+        ckpt = iteration_dir(load_dir, iteration)
+    else:
+        ckpt = find_loadable_checkpoint(load_dir)
     if ckpt is None:
         return None
     manifest = read_manifest(ckpt)
     r = _ranks()
+    if manifest.get("ckpt_format") == "torch_dist":
+        try:
+            mdcp.load_sharded(ckpt / DCP_DIR, model, optimizer, tp_group=_tp_group())
+        except ValueError as e:  # wrong model or grid that cannot be resharded
+            raise CheckpointError(f"{ckpt} does not fit this run: {e}") from e
+        _load_rng(ckpt, manifest, r, load_rng)
+        if r["rank"] == 0:
+            print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
+                  f"{time.perf_counter() - t0:.2f} s", flush=True)
+        return manifest
     if manifest["tensor_model_parallel_size"] != r["tp_size"]:
         raise CheckpointError(
             f"{ckpt} was saved with tensor_model_parallel_size="
             f"{manifest['tensor_model_parallel_size']}, this run has {r['tp_size']} (merge "
             "the shards with merge_tensor_parallel_shards to change it)")
     shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
-    model.load_state_dict(shard["model"])
+    try:
+        model.load_state_dict(shard["model"])
+    except RuntimeError as e:  # wrong model: shapes or names differ
+        raise CheckpointError(f"{ckpt} does not fit this model: {e}") from e
     if optimizer is not None:
         optimizer.load_state_dict(shard["optimizer"])
+    _load_rng(ckpt, manifest, r, load_rng)
+    if r["rank"] == 0:
+        print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
+    return manifest
+
+
+def _load_rng(ckpt: Path, manifest: dict, r: dict, load_rng: bool) -> None:
     rng_name = f"rng_rank{r['rank']:05d}.pt"
     if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
         set_rng_state(verified_load(ckpt, rng_name, manifest))
-    return manifest
+
+
+def verify_all(ckpt_dir: str | Path) -> list[str]:
+    """Problems of a checkpoint (every file's checksum, in one process); [] when sound."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    for name, digest in manifest["files"].items():
+        path = Path(ckpt_dir) / name
+        if not path.exists():
+            problems.append(f"{path} is missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"checksum mismatch for {path}")
+    return problems
 
 
 def merge_tensor_parallel_shards(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """The full (TP=1) model state dict of a checkpoint, every file verified."""
     manifest = read_manifest(ckpt_dir)
+    if manifest.get("ckpt_format") == "torch_dist":
+        problems = verify_all(ckpt_dir)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return mdcp.consolidate(Path(ckpt_dir) / DCP_DIR, optimizer=False)["model"]
     shards = [verified_load(ckpt_dir, f"model_tp{t:02d}.pt", manifest)
               for t in range(manifest["tensor_model_parallel_size"])]
     dims = shards[0]["partition_dims"]

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpointing  # noqa: E402
 import data  # noqa: E402
+import faults  # noqa: E402
 import pipeline  # noqa: E402
 from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
 from optim import build_optimizer  # noqa: E402
@@ -98,7 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--grad-sync-dtype", choices=["fp32", "bf16"], default="fp32")
     g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU rank")
-    g.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
+    g.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds a collective may wait for the other ranks before failing")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True, help="skip the step when the loss or grad norm is not finite")
+    g.add_argument("--max-consecutive-skipped-iters", type=int, default=10,
+                   help="stop with an error after this many skipped steps in a row")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default=None,
                    help="prepared data (data.py); prepared from the default corpus if empty")
@@ -112,8 +118,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--load-iteration", type=int, default=None, help="default: latest")
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist: each rank writes its shards (DCP), loads at any grid; "
+                        "torch: one format-2 file per TP rank")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) at iterations divisible by this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save and stop after this many minutes (decided by all ranks)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g = p.add_argument_group("logging")
@@ -261,8 +272,10 @@ def micro_batches(tokens, starts: np.ndarray, args, device):
         yield data.get_batch(tokens, local[i:i + args.micro_batch_size], args.seq_length, device)
 
 
-def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=None) -> tuple:
-    """One global batch: forward/backward per micro-batch, clip, step. Local mean loss."""
+def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=None,
+               guard=None, iteration: int = 0) -> tuple:
+    """One global batch: forward/backward per micro-batch, clip, step. Local mean loss.
+    With a ``faults.FaultGuard`` the step is skipped (on every rank) when not finite."""
     batches = list(micro_batches(tokens, starts, args, device))
     if args.pipeline_model_parallel_size > 1:
         return pipeline.train_step(model, optimizer, batches, tied, clip_grad=args.clip_grad,
@@ -274,14 +287,18 @@ def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=No
         with (contextlib.nullcontext() if sync else optimizer.no_sync()):
             with autocast():
                 loss = model(x, y)
+            if guard is not None:
+                loss = guard.inject(loss, iteration)
             (loss / len(batches)).backward()
         losses.append(loss.detach().float())
     if args.clip_grad > 0:
         grad_norm = optimizer.clip_grad_norm(args.clip_grad)
     else:
         grad_norm = optimizer.grad_norm()
-    optimizer.step()
-    return torch.stack(losses).mean(), grad_norm.detach().float()
+    loss = torch.stack(losses).mean()
+    if guard is None or guard.agree(iteration, loss, grad_norm):
+        optimizer.step()
+    return loss, grad_norm.detach().float()
 
 
 @torch.no_grad()
@@ -358,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)
 
+    guard = faults.FaultGuard(check_nan=args.check_for_nan_in_loss_and_grad,
+                              max_skipped=args.max_consecutive_skipped_iters,
+                              exit_duration_mins=args.exit_duration_in_mins, device=device)
     iteration = 0
     if args.load:
         manifest = checkpointing.load_checkpoint(
@@ -415,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def save(it: int) -> None:
         checkpointing.save_checkpoint(args.save, it, model, optimizer,
-                                      data_state=sampler.state_dict(), args=vars(args))
+                                      data_state=sampler.state_dict(), args=vars(args),
+                                      ckpt_format=args.ckpt_format)
 
     def run_eval(it: int) -> None:
         val = evaluate(model, val_tokens, args, device, autocast)
@@ -429,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss, norm = train_step(model, optimizer, train_tokens, sampler.next_batch(), args,
-                                device, autocast, tied)
+                                device, autocast, tied, guard, iteration)
         interval_losses.append(loss)
         interval_norms.append(norm)
         iters_interval += 1
@@ -477,6 +498,12 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 bar.write(f"exiting at iteration {iteration} (--exit-interval)")
             break
+        if guard.exit_requested:  # the same on every rank (agreed in train_step)
+            if args.save and not saved:
+                save(iteration)
+            if rank == 0:
+                bar.write(f"exiting at iteration {iteration} ({guard.exit_reason})")
+            break
         if t_interval is None:  # restart the clock after logging, eval and saving
             t_interval = time.perf_counter()
     else:
@@ -486,9 +513,10 @@ def main(argv: list[str] | None = None) -> None:
             save(iteration)
     bar.close()
     log.close()
+    guard.restore()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    faults.run_guarded(main)

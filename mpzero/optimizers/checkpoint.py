@@ -83,39 +83,141 @@ def gather_state_dict(opt) -> dict:
             for f in lay.fragments:
                 flat_view(state[f.param][key])[f.param_start:f.param_end] = (
                     full[f.bucket_start:f.bucket_end])
-    state["step"] = opt.step_count()
+    step = opt.step_count()
+    for i in opt._keys:
+        state[i]["step"] = step
+    state["step"] = step
     return {"format": FORMAT, "param_groups": _group_meta(opt), "state": state}
 
 
-def _load_groups(opt, groups: list[dict]) -> None:
+def _check_groups(opt, groups) -> None:
+    """Raise (touching nothing) unless ``groups`` fit this optimizer's param groups."""
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError(f"load_state_dict: 'param_groups' must be a list, got "
+                         f"{type(groups).__name__}")
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"load_state_dict: the state has {len(groups)} param groups, this "
                          f"optimizer {len(opt.param_groups)}")
     for gi, (saved, group) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(saved, dict) or "params" not in saved:
+            raise ValueError(f"load_state_dict: param group {gi} is not a dict with 'params'")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"load_state_dict: param group {gi} has {len(saved['params'])} "
                              f"params in the state, {len(group['params'])} here")
+        betas = saved.get("betas", group["betas"])
+        if len(tuple(betas)) != 2:
+            raise ValueError(f"load_state_dict: param group {gi} has betas {betas!r}")
+
+
+def _apply_groups(opt, groups, keys=None) -> None:
     for saved, group in zip(groups, opt.param_groups):
         for k, v in saved.items():
-            if k != "params":
+            if k != "params" and (keys is None or k in keys):
                 group[k] = tuple(v) if k == "betas" else v
 
 
-def load_state_dict(opt, sd: dict) -> None:
-    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
-        got = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+def _is_torch_adam(sd: dict) -> bool:
+    """A ``torch.optim.Adam``/``AdamW`` state dict: per-param states without ``"param"``."""
+    if "format" in sd or not isinstance(sd.get("state"), dict):
+        return False
+    states = [v for v in sd["state"].values() if isinstance(v, dict)]
+    return bool(states) and all(
+        {"exp_avg", "exp_avg_sq", "step"} <= set(v) and "param" not in v for v in states)
+
+
+def _check_tensor(opt, i: int, key: str, t) -> None:
+    p = opt._params[i]
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"load_state_dict: state[{i}][{key!r}] is a {type(t).__name__}, "
+                         "not a tensor")
+    if tuple(t.shape) != tuple(p.shape):
+        raise ValueError(f"load_state_dict: state[{i}][{key!r}] has shape {tuple(t.shape)}, "
+                         f"parameter {i} has shape {tuple(p.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"load_state_dict: state[{i}][{key!r}] has dtype {t.dtype}")
+
+
+def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
+    """Validate ``sd`` completely and return ``(state, param_groups, group keys to apply)``
+    with ``state[i]`` holding every key of :data:`STATE_KEYS`. Raises before any change."""
+    if not isinstance(sd, dict):
+        raise ValueError(f"load_state_dict: expected a dict, got {type(sd).__name__}")
+    if sd.get("format", FORMAT) != FORMAT:
         raise ValueError(f"load_state_dict: expected a format-{FORMAT} DistributedFusedAdam "
-                         f"state dict, got format {got!r}")
-    _load_groups(opt, sd["param_groups"])
-    state = sd["state"]
+                         f"state dict (or a torch Adam/AdamW one), got format "
+                         f"{sd.get('format')!r}")
+    for key in ("state", "param_groups"):
+        if key not in sd:
+            raise ValueError(f"load_state_dict: the state dict has no {key!r}")
+    if _is_torch_adam(sd):
+        return _from_torch(opt, sd)
+    groups, state = sd["param_groups"], sd["state"]
+    _check_groups(opt, groups)
+    if not isinstance(state, dict):
+        raise ValueError("load_state_dict: 'state' must be a dict")
+    if "step" not in state:
+        raise ValueError("load_state_dict: state has no 'step' (the step count)")
     for i in opt._keys:
         if i not in state:
-            raise ValueError(f"load_state_dict: no state for parameter {i}")
+            raise ValueError(f"load_state_dict: no state for parameter {i} "
+                             f"(shape {tuple(opt._params[i].shape)})")
         for k in STATE_KEYS:
-            if state[i][k].numel() != opt._params[i].numel():
-                raise ValueError(
-                    f"load_state_dict: state[{i}][{k!r}] has {state[i][k].numel()} elements, "
-                    f"parameter {i} has {opt._params[i].numel()}")
+            if k not in state[i]:
+                raise ValueError(f"load_state_dict: state[{i}] has no {k!r} "
+                                 f"(keys: {sorted(map(str, state[i]))})")
+            _check_tensor(opt, i, k, state[i][k])
+    extra = [i for i in state if i != "step" and i not in opt._keys]
+    if extra:
+        raise ValueError(f"load_state_dict: state for parameters {extra[:8]} that this "
+                         "optimizer does not train (no such index, or requires_grad=False)")
+    return state, groups, None
+
+
+def _from_torch(opt, sd: dict) -> tuple[dict, list[dict], set]:
+    """A torch Adam/AdamW state dict as format-2 state; masters are the current params."""
+    groups, tstate = sd["param_groups"], sd["state"]
+    _check_groups(opt, groups)
+    for gi, group in enumerate(groups):
+        if group.get("amsgrad"):
+            raise ValueError(f"load_state_dict: torch param group {gi} uses amsgrad, "
+                             "which DistributedFusedAdam does not support")
+        decoupled = group.get("decoupled_weight_decay")
+        if decoupled is not None and group.get("weight_decay", 0.0) and \
+                bool(decoupled) != bool(opt.adam_w_mode):
+            raise ValueError(
+                f"load_state_dict: torch param group {gi} has decoupled_weight_decay="
+                f"{decoupled}, this optimizer adam_w_mode={opt.adam_w_mode}")
+    steps = set()
+    state: dict = {}
+    for i in opt._keys:
+        p = opt._params[i]
+        saved = tstate.get(i)
+        if saved is None:  # torch creates state lazily: a param never stepped
+            zeros = torch.zeros(p.shape, dtype=torch.float32)
+            state[i] = {"exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+        else:
+            for k in ("exp_avg", "exp_avg_sq"):
+                _check_tensor(opt, i, k, saved[k])
+            state[i] = {k: saved[k] for k in ("exp_avg", "exp_avg_sq")}
+            step = saved["step"]
+            steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+        state[i]["param"] = p.detach().float().cpu()
+    extra = [i for i in tstate if i not in opt._keys]
+    if extra:
+        raise ValueError(f"load_state_dict: torch state for parameters {extra[:8]} that this "
+                         "optimizer does not train")
+    if len(steps) > 1:
+        raise ValueError(f"load_state_dict: torch state has different step counts {steps}; "
+                         "DistributedFusedAdam keeps one per optimizer")
+    state["step"] = steps.pop() if steps else 0
+    return state, groups, {"lr", "betas", "eps", "weight_decay"}
+
+
+def load_state_dict(opt, sd: dict) -> None:
+    """Load a format-2 (or torch Adam/AdamW) state dict, all or nothing: the whole dict is
+    validated (every parameter, key and full shape) before anything is changed."""
+    state, groups, group_keys = _normalized_state(opt, sd)
+    _apply_groups(opt, groups, group_keys)
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
             targets = _load_targets(opt, b)
@@ -126,6 +228,38 @@ def load_state_dict(opt, sd: dict) -> None:
                     dst[piece.shard_start:piece.shard_end].copy_(src)
             _commit_targets(opt, b, targets)
     opt.set_step_count(state["step"])
+
+
+_TORCH_GROUP_DEFAULTS = {"amsgrad": False, "foreach": None, "maximize": False,
+                         "capturable": False, "differentiable": False, "fused": None}
+
+
+def to_torch_state_dict(sd: dict, *, adam_w_mode: bool = True) -> dict:
+    """Convert a format-2 state dict to ``torch.optim.AdamW`` (``adam_w_mode=False``:
+    ``torch.optim.Adam``) format, which ``torch.optim.AdamW.load_state_dict`` accepts for
+    the same parameters in the same param groups. Moments are copied bit for bit; the
+    masters (``"param"``) are dropped: torch keeps them in the model. Raises when a group
+    has ``bias_correction=False`` (torch always corrects)."""
+    if not isinstance(sd, dict) or sd.get("format", FORMAT) != FORMAT or "state" not in sd:
+        raise ValueError("to_torch_state_dict: expected a format-2 DistributedFusedAdam "
+                         "state dict")
+    step = sd["state"]["step"]
+    step = float(step.item() if isinstance(step, torch.Tensor) else step)
+    groups = []
+    for gi, g in enumerate(sd["param_groups"]):
+        if not g.get("bias_correction", True):
+            raise ValueError(f"to_torch_state_dict: param group {gi} has bias_correction="
+                             "False, which torch's Adam/AdamW cannot express")
+        out = {k: v for k, v in g.items() if k != "bias_correction"}
+        out.update({k: v for k, v in _TORCH_GROUP_DEFAULTS.items() if k not in out})
+        out["betas"] = tuple(out["betas"])
+        out["decoupled_weight_decay"] = adam_w_mode
+        out["params"] = list(g["params"])
+        groups.append(out)
+    state = {i: {"step": torch.tensor(step), "exp_avg": st["exp_avg"].clone(),
+                 "exp_avg_sq": st["exp_avg_sq"].clone()}
+             for i, st in sd["state"].items() if i != "step"}
+    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------- sharded
@@ -140,25 +274,53 @@ def sharded_state_dict(opt) -> dict:
                            {k: t[pc.shard_start:pc.shard_end].float().cpu().clone()
                             for k, t in shards.items()}))
     return {"format": FORMAT, "param_groups": _group_meta(opt), "step": opt.step_count(),
-            "numels": {i: opt._params[i].numel() for i in opt._keys}, "pieces": pieces}
+            "numels": {i: opt._params[i].numel() for i in opt._keys},
+            "shapes": {i: tuple(opt._params[i].shape) for i in opt._keys}, "pieces": pieces}
 
 
 def load_sharded_state_dict(opt, sds: list[dict]) -> None:
     """Load from the sharded state dicts of every rank that wrote one (any grid)."""
     if not sds:
         raise ValueError("load_sharded_state_dict: no shards given")
-    _load_groups(opt, sds[0]["param_groups"])
+    _check_groups(opt, sds[0]["param_groups"])
     by_param: dict[int, list] = {}
     for sd in sds:
         for param, start, end, tensors in sd["pieces"]:
             by_param.setdefault(param, []).append((start, end, tensors))
+    _check_pieces(opt, lambda i: by_param.get(i, []), sds[0].get("shapes"))
+    _apply_groups(opt, sds[0]["param_groups"])
     _fill_from_pieces(opt, lambda i: by_param.get(i, []))
     opt.set_step_count(sds[0]["step"])
 
 
+def _check_pieces(opt, pieces_of, shapes: dict | None) -> None:
+    """Raise (touching nothing) unless the saved pieces cover every element of this rank's
+    shards, with every key, and the saved full shapes match the parameters."""
+    for i in opt._keys:
+        saved = (shapes or {}).get(i)
+        if saved is not None and tuple(saved) != tuple(opt._params[i].shape):
+            raise ValueError(f"sharded checkpoint: parameter {i} was saved with shape "
+                             f"{tuple(saved)}, this parameter has {tuple(opt._params[i].shape)}")
+    for lay in opt._layouts:
+        for pc in lay.shard_pieces(opt.distributed_rank):
+            covered = 0
+            for start, end, tensors in pieces_of(pc.param):
+                lo, hi = max(start, pc.param_start), min(end, pc.param_end)
+                if lo >= hi:
+                    continue
+                for k in STATE_KEYS:
+                    t = tensors.get(k)
+                    if t is None or t.numel() != end - start:
+                        raise ValueError(f"sharded checkpoint: parameter {pc.param} piece "
+                                         f"[{start}, {end}) has a bad or missing {k!r}")
+                covered += hi - lo
+            if covered < pc.numel:
+                raise ValueError(f"sharded checkpoint does not cover parameter {pc.param} "
+                                 f"elements [{pc.param_start}, {pc.param_end})")
+
+
 def _fill_from_pieces(opt, pieces_of) -> None:
     """Copy saved ``(start, end, tensors)`` pieces that overlap this rank's shards."""
-    covered = {}
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
             targets = _load_targets(opt, b)
@@ -167,18 +329,11 @@ def _fill_from_pieces(opt, pieces_of) -> None:
                     lo, hi = max(start, pc.param_start), min(end, pc.param_end)
                     if lo >= hi:
                         continue
-                    covered[pc.param] = covered.get(pc.param, 0) + hi - lo
                     for k, dst in targets.items():
                         src = tensors[k][lo - start:hi - start]
                         s0 = pc.shard_start + lo - pc.param_start
                         dst[s0:s0 + hi - lo].copy_(src)
             _commit_targets(opt, b, targets)
-    for lay in opt._layouts:
-        for pc in lay.shard_pieces(opt.distributed_rank):
-            covered[pc.param] = covered.get(pc.param, 0) - pc.numel
-    missing = [i for i, c in covered.items() if c < 0]
-    if missing:
-        raise ValueError(f"sharded checkpoint does not cover parameters {missing[:8]}")
 
 
 def _atomic_write(path: str, write) -> None:
@@ -243,12 +398,14 @@ def load_sharded(opt, directory: str) -> None:
         if size is not None and os.path.getsize(path) != size:
             raise ValueError(f"{path}: size {os.path.getsize(path)} != {size} in index.json "
                              "(truncated or replaced file)")
-        sd = torch.load(path, map_location="cpu", weights_only=False)
+        sd = torch.load(path, map_location="cpu", weights_only=True)
         meta = meta or sd
         for param, start, end, tensors in sd["pieces"]:
             if any(start < hi and end > lo for lo, hi in mine.get(param, ())):
                 kept.setdefault(param, []).append((start, end, tensors))
         del sd
-    _load_groups(opt, meta["param_groups"])
+    _check_groups(opt, meta["param_groups"])
+    _check_pieces(opt, lambda i: kept.get(i, []), meta.get("shapes"))
+    _apply_groups(opt, meta["param_groups"])
     _fill_from_pieces(opt, lambda i: kept.get(i, []))
     opt.set_step_count(meta["step"])

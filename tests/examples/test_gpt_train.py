@@ -89,8 +89,8 @@ def test_checkpoints_written(resume_runs):
     for it in (15, 30):
         ckpt = root / "ckpt_a" / f"iter_{it:07d}"
         names = {p.name for p in ckpt.iterdir()}
-        assert names == {"manifest.json", "model_tp00.pt", "rng_rank00000.pt",
-                         "rng_rank00001.pt"}
+        # --ckpt-format torch_dist (the default): model and optimizer shards under dcp/
+        assert names == {"manifest.json", "dcp", "rng_rank00000.pt", "rng_rank00001.pt"}
     assert (root / "ckpt_a" / "latest").read_text() == "iter_0000030"
 
 

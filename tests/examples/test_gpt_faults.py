@@ -1,0 +1,233 @@
+"""Faults of the GPT example, with real processes (one per rank, gloo on CPU):
+corrupted checkpoints are skipped by a collective decision, a signal saves and
+exits 0, a rank killed with SIGKILL takes the others down within 60 s, NaN steps
+are skipped and too many in a row stop the run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+sys.path.insert(0, str(GPT.parent))
+
+import data  # noqa: E402
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
+        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "0",
+        "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None) -> list:
+    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun)."""
+    port = str(_port())
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RANK=str(r),
+                   WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}))
+        log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed by the caller's wait
+        procs.append((subprocess.Popen([sys.executable, str(GPT), *TINY, *args], env=env,
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
+    return procs
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append(None)
+        log.close()
+    return codes
+
+
+def logs(out: Path, n: int) -> list[str]:
+    return [(out / f"rank{r}.log").read_text() for r in range(n)]
+
+
+def wait_for(out: Path, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in (out / "rank0.log").read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in rank 0's log after {timeout} s:\n"
+                         + (out / "rank0.log").read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.getbasetemp() / "gpt-faults-data"
+    if not data.is_prepared(out):
+        data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=512), out, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(data_dir, tmp_path_factory):
+    """A 2-rank run that saved iterations 2 and 4."""
+    out = tmp_path_factory.mktemp("faults-saved")
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "4", "--save-interval",
+                       "2", "--save", str(out / "ckpt")], out)
+    codes = wait_all(procs, 120)
+    assert codes == [0, 0], logs(out, 2)
+    assert "saved checkpoint iter 4 to" in logs(out, 2)[0]
+    return out / "ckpt"
+
+
+def _resume(data_dir, ckpt: Path, out: Path) -> tuple[list, list[str]]:
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "4", "--load", str(ckpt)],
+                   out)
+    return wait_all(procs, 120), logs(out, 2)
+
+
+@pytest.mark.timeout(300)
+def test_broken_checkpoints_are_skipped_on_every_rank(saved, data_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    (ckpt / "latest").write_bytes(b"\xff\x00garbage\n")  # binary junk in latest
+    (ckpt / "iter_0000006").mkdir()  # a save that died before its manifest
+    (ckpt / "iter_0000006" / "model_tp00.pt").write_bytes(b"half")
+    rng1 = ckpt / "iter_0000004" / "rng_rank00001.pt"  # only rank 1 reads this file
+    blob = bytearray(rng1.read_bytes())
+    blob[len(blob) // 2] ^= 0x10
+    rng1.write_bytes(bytes(blob))
+    codes, text = _resume(data_dir, ckpt, tmp_path)
+    assert codes == [0, 0], text
+    assert "no manifest.json" in text[0] and "iter_0000006" in text[0]
+    assert "checksum mismatch for" in text[1] and str(rng1) in text[1]
+    assert "loaded checkpoint iter 2 from" in text[0]
+    # rank 0 skipped iter 4 too (collective), and trained 3..4 again.
+    assert "does not verify on every rank" in text[0]
+
+
+@pytest.mark.timeout(300)
+def test_no_valid_checkpoint_stops_every_rank_with_the_same_error(saved, data_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    (ckpt / "latest").write_text("iter_9999999 is not a checkpoint")
+    (ckpt / "iter_0000004" / "rng_rank00001.pt").unlink()  # missing shard
+    model = ckpt / "iter_0000002" / "dcp" / "__0_0.distcp"
+    with open(model, "r+b") as f:  # truncated
+        f.truncate(model.stat().st_size // 2)
+    codes, text = _resume(data_dir, ckpt, tmp_path)
+    assert codes == [1, 1], text
+    for t in text:
+        assert "verifies on every rank" in t and "iter_0000002" in t and "iter_0000004" in t
+    assert "rng_rank00001.pt is missing" in text[0]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "100000",
+                       "--save", str(tmp_path / "ckpt")], tmp_path)
+    wait_for(tmp_path, "iter      3 |", 120)
+    procs[1][0].send_signal(signal.SIGTERM)  # one rank is enough: the decision is collective
+    codes = wait_all(procs, 120)
+    text = logs(tmp_path, 2)
+    assert codes == [0, 0], text
+    assert "(signal SIGTERM" in text[0] or "(signal on another rank" in text[0], text[0]
+    assert "saved checkpoint iter" in text[0]
+    it = int(text[0].split("saved checkpoint iter ")[1].split()[0])
+    assert (tmp_path / "ckpt" / f"iter_{it:07d}" / "manifest.json").exists()
+    assert f"exiting at iteration {it}" in text[0]
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_one_rank_stops_all_within_60s(data_dir, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", "100000",
+                       "--dist-timeout", "30", "--save", ckpt, "--save-interval", "2"], tmp_path)
+    wait_for(tmp_path, "saved checkpoint iter 2 ", 180)
+    procs[2][0].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    codes = wait_all(procs, 60)
+    elapsed = time.monotonic() - t0
+    text = logs(tmp_path, 4)
+    assert codes[2] == -signal.SIGKILL
+    assert all(c is not None and c != 0 for c in codes), (codes, text)
+    assert elapsed < 60
+    for r in (0, 1, 3):
+        assert "a collective failed" in text[r], text[r][-3000:]
+    # Relaunch: resumes from the newest save that verifies (a save cut short is skipped).
+    last = max(int(t.split()[0]) for t in text[0].split("saved checkpoint iter ")[1:])
+    relaunch = tmp_path / "relaunch"
+    relaunch.mkdir()
+    procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", str(last + 1),
+                       "--load", ckpt, "--save", ckpt], relaunch)
+    assert wait_all(procs, 120) == [0, 0, 0, 0], logs(relaunch, 4)
+    assert f"loaded checkpoint iter {last} from" in logs(relaunch, 4)[0]
+
+
+@pytest.mark.timeout(300)
+def test_nan_steps_are_skipped_then_the_run_stops(data_dir, tmp_path):
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "8",
+                       "--max-consecutive-skipped-iters", "3"], tmp_path,
+                   {"MPZERO_INJECT_NAN_ITERS": "2,5,6,7"})
+    codes = wait_all(procs, 120)
+    text = logs(tmp_path, 2)
+    assert codes == [1, 1], text
+    assert "iteration 2: non-finite loss" in text[0] and "step skipped" in text[0]
+    assert "iteration 7: 3 consecutive iterations" in text[0]
+    assert "iteration 7: 3 consecutive iterations" in text[1]
+
+
+@pytest.mark.timeout(300)
+def test_other_grid_loads_and_wrong_model_is_refused(saved, data_dir, tmp_path):
+    # Saved by 2 ranks (dp 2) as torch_dist: one rank reshards it.
+    procs = launch(1, ["--data-dir", str(data_dir), "--train-iters", "4",
+                       "--load", str(saved)], tmp_path)
+    assert wait_all(procs, 120) == [0], logs(tmp_path, 1)
+    assert "loaded checkpoint iter 4 from" in logs(tmp_path, 1)[0]
+    hidden = TINY.index("--hidden-size") + 1
+    procs = launch(1, ["--data-dir", str(data_dir), "--train-iters", "4", "--load", str(saved),
+                       "--hidden-size", "48"], tmp_path)
+    text = logs(tmp_path, 1)[0] if wait_all(procs, 120) != [0] else "exit 0"
+    assert "does not fit this run" in text and TINY[hidden] == "32", text
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_cli_inspect_consolidate_export(saved, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from mpzero.checkpoint.__main__ import main as cli
+
+    assert cli(["inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 4" in out and "all checksums verified" in out and "tp 1" in out
+    assert cli(["consolidate", str(saved), str(tmp_path / "full")]) == 0
+    model = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
+    optim = torch.load(tmp_path / "full" / "optimizer.pt", weights_only=True)
+    assert optim["format"] == 2 and optim["state"]["step"] == 4
+    assert cli(["export", str(saved), str(tmp_path / "m.safetensors"), "--dtype", "fp32"]) == 0
+    weights = load_file(tmp_path / "m.safetensors")
+    assert weights.keys() == {k for k, v in model.items() if v.is_floating_point()}
+    assert all(torch.equal(weights[k], model[k].float()) for k in weights)
+    bad = tmp_path / "bad"
+    shutil.copytree(saved / "iter_0000004", bad)
+    with open(bad / "dcp" / "__1_0.distcp", "r+b") as f:
+        f.truncate(10)
+    capsys.readouterr()
+    assert cli(["inspect", str(bad)]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
