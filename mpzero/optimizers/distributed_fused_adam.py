@@ -358,8 +358,6 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         """Load optimizer state and param groups saved by :meth:`state_dict` on any grid."""
         self._ensure_layout()
         self.param_sync()
-        if isinstance(state_dict, dict) and "format" not in state_dict:
-            state_dict = {**state_dict, "format": checkpoint.FORMAT}  # format 2 by default
         checkpoint.load_state_dict(self, state_dict)
         self._after_load()
 
