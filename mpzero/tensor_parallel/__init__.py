@@ -17,13 +17,19 @@ from mpzero.tensor_parallel.layers import (
 )
 from mpzero.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    mark_sequence_parallel,
     reduce_from_tensor_model_parallel_region,
+    reduce_grad_over_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from mpzero.tensor_parallel.random import (
     MODEL_PARALLEL_RNG_TRACKER_NAME,
     RNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
@@ -42,6 +48,12 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_grad_over_tensor_model_parallel_region",
+    "mark_sequence_parallel",
+    "checkpoint",
     "MODEL_PARALLEL_RNG_TRACKER_NAME",
     "RNGStatesTracker",
     "get_cuda_rng_tracker",
