@@ -16,6 +16,12 @@ replicated on the TP ranks. The full weights are drawn from the default RNG
 on every rank and each rank keeps its slice, so models built from one seed at
 TP=1 and TP=2 hold the same weights and compute the same loss.
 
+Megatron's everyday options are GPTConfig fields (flags of pretrain_gpt.py):
+sequence parallelism (norms, dropout and residual on ``T/tp`` tokens per rank),
+activation recompute (``full`` blocks or the ``selective`` attention core, via
+``tp.checkpoint``), RoPE, RMSNorm, SwiGLU, grouped-query attention, an untied
+output layer and linear layers without bias. Each is TP-equal like the default.
+
 QKV layout: the output features of the fused QKV projection are ordered
 head-major, ``[head][q|k|v][head_dim]`` (Megatron's layout), so that the
 contiguous block a TP rank owns holds whole heads with their q, k and v.

@@ -5,6 +5,12 @@
 (``input_is_parallel=True``), with a :class:`VocabParallelEmbedding` in front and
 :func:`vocab_parallel_cross_entropy` at the end. Groups default to
 ``parallel_state.get_tensor_model_parallel_group()``.
+
+Sequence parallelism: ``sequence_parallel=True`` on both linear layers plus the
+``*_sequence_parallel_region`` mappings; parameters used on sequence chunks are
+marked with :func:`mark_sequence_parallel` and wrapped in
+:func:`reduce_grad_over_tensor_model_parallel_region` where they are used.
+:func:`checkpoint` is activation recomputation that replays the TP RNG tracker.
 """
 
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
