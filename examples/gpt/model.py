@@ -16,6 +16,12 @@ replicated on the TP ranks. The full weights are drawn from the default RNG
 on every rank and each rank keeps its slice, so models built from one seed at
 TP=1 and TP=2 hold the same weights and compute the same loss.
 
+Megatron's everyday options are GPTConfig fields (flags of pretrain_gpt.py):
+sequence parallelism (norms, dropout and residual on ``T/tp`` tokens per rank),
+activation recompute (``full`` blocks or the ``selective`` attention core, via
+``tp.checkpoint``), RoPE, RMSNorm, SwiGLU, grouped-query attention, an untied
+output layer and linear layers without bias. Each is TP-equal like the default.
+
 QKV layout: the output features of the fused QKV projection are ordered
 head-major, ``[head][q|k|v][head_dim]`` (Megatron's layout), so that the
 contiguous block a TP rank owns holds whole heads with their q, k and v.
@@ -31,13 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpzero import tensor_parallel as tp
-from mpzero.tensor_parallel.utils import resolve_tp_group, tp_world_size
+from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank, tp_world_size
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 4096  # padded (see padded_vocab_size) so every TP size divides it
-    seq_length: int = 256  # context length = number of learned position embeddings
+    seq_length: int = 256  # context length (= number of learned position embeddings)
     num_layers: int = 4
     hidden_size: int = 256
     num_attention_heads: int = 4
@@ -46,6 +52,17 @@ class GPTConfig:
     bias: bool = True  # biases in the linear layers and LayerNorms
     layernorm_epsilon: float = 1e-5
     init_std: float = 0.02
+    # Megatron's everyday options (flags of pretrain_gpt.py with the same names).
+    sequence_parallel: bool = False  # shard norms/dropout/residual along the sequence over TP
+    recompute_granularity: str | None = None  # None, "full" (whole blocks), "selective"
+    recompute_num_layers: int | None = None  # "full": the first N blocks (None: all)
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm" (no bias)
+    swiglu: bool = False  # SiLU-gated MLP: fc holds gate and up features, interleaved
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -53,10 +70,27 @@ class GPTConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by "
                              f"num_attention_heads ({self.num_attention_heads})")
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be "
+                             f"divisible by num_query_groups ({self.num_query_groups})")
+        choices = {"recompute_granularity": (None, "full", "selective"),
+                   "position_embedding_type": ("learned_absolute", "rope"),
+                   "normalization": ("LayerNorm", "RMSNorm")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def linear_bias(self) -> bool:
+        return self.bias and self.add_bias_linear
 
 
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
@@ -70,67 +104,235 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
     return -(-vocab_size // multiple) * multiple
 
 
-class CausalSelfAttention(nn.Module):
+SEQ_DIM = 1  # activations are batch-first, (B, T, h); sequence parallelism splits T
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm over the hidden dim, replicated on the TP ranks.
+
+    With sequence parallelism each rank normalizes its own tokens, so the gradients
+    of ``weight``/``bias`` are partial over TP: they are all-reduced inside the
+    autograd graph (``reduce_grad_over_tensor_model_parallel_region``).
+    """
+
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        tp_size = tp_world_size(resolve_tp_group(tp_group))
-        self.local_heads = tp.divide(nh, tp_size, "num_attention_heads")
-        self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
-        self.qkv = tp.ColumnParallelLinear(h, 3 * h, bias=cfg.bias,
-                                           init_method=tp.init_method_normal(cfg.init_std),
-                                           tp_group=tp_group)
-        self.proj = tp.RowParallelLinear(
-            h, h, bias=cfg.bias, input_is_parallel=True, tp_group=tp_group,
-            init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers))
+        h = cfg.hidden_size
+        self.rms = cfg.normalization == "RMSNorm"
+        self.eps, self.sequence_parallel = cfg.layernorm_epsilon, cfg.sequence_parallel
+        self.tp_group = resolve_tp_group(tp_group) if cfg.sequence_parallel else None
+        self.weight = nn.Parameter(torch.ones(h))
+        has_bias = cfg.bias and not self.rms
+        self.bias = nn.Parameter(torch.zeros(h)) if has_bias else None
+        if self.sequence_parallel:
+            for p in self.parameters():
+                tp.mark_sequence_parallel(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv, _ = self.qkv(x)  # (B, T, 3*h/tp), head-major
-        qkv = qkv.view(B, T, self.local_heads, 3, self.head_dim)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh/tp, T, hd)
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w = tp.reduce_grad_over_tensor_model_parallel_region(w, self.tp_group)
+            b = None if b is None else tp.reduce_grad_over_tensor_model_parallel_region(
+                b, self.tp_group)
+        if self.rms:
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return F.layer_norm(x, w.shape, w, b, self.eps)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on the replicated stream, or per TP rank on sequence-parallel chunks."""
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:  # each rank holds other tokens: draw from the per-rank RNG
+        with tp.get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, rotate-half layout) of q and k, ``(B, n, T, hd)``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        inv_freq = 1.0 / cfg.rotary_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, hd)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[-2]
+        cos, sin = self.cos[:T].to(x.dtype), self.sin[:T].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention over ``heads/tp`` heads per rank.
+
+    Multi-head (``num_query_groups == num_attention_heads``): one fused QKV
+    projection, head-major. Grouped-query: a ``q`` projection (heads split over TP)
+    and a ``kv`` projection, ``[group][k|v][head_dim]``, whose groups are split
+    over TP when ``groups >= tp`` and replicated otherwise (each rank then uses the
+    one group its query heads belong to; the weight's gradient is all-reduced over TP).
+    """
+
+    def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
+        super().__init__()
+        h, nh, groups = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups
+        self.tp_group = resolve_tp_group(tp_group)
+        tp_size = tp_world_size(self.tp_group)
+        self.local_heads = tp.divide(nh, tp_size, "num_attention_heads")
+        self.head_dim, hd = cfg.head_dim, cfg.head_dim
+        self.dropout = cfg.dropout
+        self.selective_recompute = cfg.recompute_granularity == "selective"
+        self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
+        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+        init = tp.init_method_normal(cfg.init_std)
+        self.gqa = groups != nh
+        if not self.gqa:
+            self.qkv = tp.ColumnParallelLinear(h, 3 * h, bias=cfg.linear_bias,
+                                               init_method=init, tp_group=tp_group, **sp)
+        else:
+            self.q = tp.ColumnParallelLinear(h, nh * hd, bias=cfg.linear_bias,
+                                             init_method=init, tp_group=tp_group, **sp)
+            self.kv_replicated = groups < tp_size
+            if not self.kv_replicated:
+                tp.divide(groups, tp_size, "num_query_groups")
+                self.kv = tp.ColumnParallelLinear(h, 2 * groups * hd, bias=cfg.linear_bias,
+                                                  init_method=init, tp_group=tp_group, **sp)
+            else:
+                if tp_size % groups:
+                    raise ValueError(f"num_query_groups ({groups}) smaller than the "
+                                     f"tensor-parallel size ({tp_size}) must divide it")
+                self.kv = ReplicatedLinear(h, 2 * groups * hd, cfg, init, self.tp_group)
+                self.group = tp_rank(self.tp_group) * groups // tp_size
+        self.proj = tp.RowParallelLinear(
+            h, h, bias=cfg.linear_bias, input_is_parallel=True, tp_group=tp_group,
+            init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers), **sp)
+
+    def _qkv(self, x: torch.Tensor):
+        if not self.gqa:
+            qkv, _ = self.qkv(x)  # (B, T, 3*h/tp), head-major
+            B, T = qkv.shape[:2]
+            qkv = qkv.view(B, T, self.local_heads, 3, self.head_dim)
+            return qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh/tp, T, hd)
+        q, _ = self.q(x)  # (B, T, nh/tp * hd)
+        B, T = q.shape[:2]
+        q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
+        if self.kv_replicated:
+            kv = self.kv(x, self.group)  # (B, T, 2*hd): this rank's group only
+        else:
+            kv, _ = self.kv(x)  # (B, T, 2*G/tp*hd)
+        kv = kv.view(B, T, -1, 2, self.head_dim)
+        k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, G/tp or 1, T, hd)
+        return q, k, v
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        gqa = {"enable_gqa": True} if self.gqa else {}
         if self.training and self.dropout > 0:
             # Heads differ per TP rank: their dropout masks come from the per-rank RNG.
             with tp.get_rng_tracker().fork():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout,
-                                                   is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout,
+                                                      is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        if self.selective_recompute and self.training:
+            y = tp.checkpoint(self._core_attention, q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh/tp, T, hd)
+            y = self._core_attention(q, k, v)  # (B, nh/tp, T, hd)
+        B, _, T, _ = y.shape
         y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, h/tp)
-        out, _ = self.proj(y)  # (B, T, h), summed over TP
+        out, _ = self.proj(y)  # (B, T, h) summed over TP (or (B, T/tp, h) with SP)
         return out
 
 
+class ReplicatedLinear(nn.Module):
+    """A linear layer held whole on every TP rank, whose rows the ranks use in parts.
+
+    The KV projection of grouped-query attention with fewer groups than TP ranks:
+    rank r applies only the rows of its query heads' group, so each rank's weight
+    gradient is partial and is all-reduced over TP inside the autograd graph; the
+    input is all-gathered (sequence parallel) or copied into the TP region, whose
+    backward sums the ranks' input gradients.
+    """
+
+    def __init__(self, input_size: int, output_size: int, cfg: GPTConfig, init,
+                 tp_group) -> None:
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, cfg.sequence_parallel
+        self.rows = 2 * cfg.head_dim
+        master = torch.empty(output_size, input_size, dtype=torch.float32)  # as at TP=1
+        init(master)
+        self.weight = nn.Parameter(master)
+        self.bias = nn.Parameter(torch.zeros(output_size)) if cfg.linear_bias else None
+        for p in self.parameters():
+            p.tensor_model_parallel = False  # replicated: counted once in the grad norm
+            tp.mark_sequence_parallel(p)  # and its gradient is all-reduced over TP
+
+    def forward(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = tp.gather_from_sequence_parallel_region(x, SEQ_DIM, self.tp_group)
+        else:
+            x = tp.copy_to_tensor_model_parallel_region(x, self.tp_group)
+        w = tp.reduce_grad_over_tensor_model_parallel_region(self.weight, self.tp_group)
+        rows = slice(group * self.rows, (group + 1) * self.rows)
+        b = self.bias
+        if b is not None:
+            b = tp.reduce_grad_over_tensor_model_parallel_region(b, self.tp_group)[rows]
+        return F.linear(x, w[rows], b)  # (B, T, 2*hd)
+
+
 class MLP(nn.Module):
+    """``fc`` -> GELU (or SwiGLU) -> ``proj``; the hidden features are split over TP.
+
+    SwiGLU: ``fc`` has ``2 * ffn`` outputs ordered ``[feature][gate|up]``, so every
+    contiguous block a TP rank owns holds whole (gate, up) pairs.
+    """
+
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
-        self.fc = tp.ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.bias,
+        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+        self.swiglu = cfg.swiglu
+        fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        self.fc = tp.ColumnParallelLinear(cfg.hidden_size, fc_out, bias=cfg.linear_bias,
                                           init_method=tp.init_method_normal(cfg.init_std),
-                                          tp_group=tp_group)
+                                          tp_group=tp_group, **sp)
         self.proj = tp.RowParallelLinear(
-            cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.bias, input_is_parallel=True,
+            cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.linear_bias, input_is_parallel=True,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers),
-            tp_group=tp_group)
+            tp_group=tp_group, **sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, _ = self.fc(x)  # (B, T, ffn/tp)
-        y, _ = self.proj(F.gelu(y))  # (B, T, h)
+        y, _ = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
+        if self.swiglu:
+            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        y, _ = self.proj(y)  # (B, T, h)
         return y
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+        self.ln_1 = Norm(cfg, tp_group)
         self.attn = CausalSelfAttention(cfg, tp_group)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+        self.ln_2 = Norm(cfg, tp_group)
         self.mlp = MLP(cfg, tp_group)
-        self.dropout = nn.Dropout(cfg.dropout)  # replicated stream: same mask on TP ranks
+        # Replicated stream (same mask on TP ranks), per-rank with sequence parallelism.
+        self.p, self.sequence_parallel = cfg.dropout, cfg.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
-        x = x + self.dropout(self.mlp(self.ln_2(x)))
+        p, sp = self.p, self.sequence_parallel
+        x = x + dropout(self.attn(self.ln_1(x)), p, self.training, sp)
+        x = x + dropout(self.mlp(self.ln_2(x)), p, self.training, sp)
         return x
 
 
@@ -151,43 +353,73 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
+        tp_size = tp_world_size(self.tp_group)
+        if cfg.sequence_parallel:
+            tp.divide(cfg.seq_length, tp_size, "seq_length (sequence parallel)")
         self.pre_process, self.post_process = pre_process, post_process
         self.layers = range(cfg.num_layers) if layers is None else layers
+        tied = not cfg.untie_embeddings_and_output_weights
+        # Every stage draws every weight, in the unsplit model's order, and keeps its part.
         wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                         init_method=tp.init_method_normal(cfg.init_std),
                                         tp_group=tp_group)
-        wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
-        nn.init.normal_(wpe.weight, mean=0.0, std=cfg.init_std)
-        if pre_process or post_process:
+        wpe = None
+        if cfg.position_embedding_type == "learned_absolute":
+            wpe = nn.Embedding(cfg.seq_length, cfg.hidden_size)
+            nn.init.normal_(wpe.weight, mean=0.0, std=cfg.init_std)
+        blocks = [Block(cfg, tp_group) for _ in range(cfg.num_layers)]  # all drawn, some kept
+        output_layer = None
+        if not tied:
+            output_layer = tp.ColumnParallelLinear(
+                cfg.hidden_size, cfg.vocab_size, bias=False,
+                init_method=tp.init_method_normal(cfg.init_std), tp_group=tp_group,
+                sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+        if pre_process or (post_process and tied):
             self.wte = wte
-        if pre_process:
-            self.wpe = wpe
-            self.drop = nn.Dropout(cfg.dropout)
-        blocks = (Block(cfg, tp_group) for _ in range(cfg.num_layers))  # all drawn, some kept
+        self.wpe = wpe if pre_process else None
         self.blocks = nn.ModuleList(b for i, b in enumerate(blocks) if i in self.layers)
+        self.output_layer = output_layer if post_process else None
         if post_process:
-            self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon, bias=cfg.bias)
+            self.ln_f = Norm(cfg, tp_group)
+        recompute = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else \
+            len(self.blocks)
+        self.full_recompute_layers = recompute if cfg.recompute_granularity == "full" else 0
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """``ids`` (B, T) on the first stage, else the previous stage's (B, T, h) output.
-        Returns the (B, T, h) hidden states unless this stage is the last."""
+        """``ids`` (B, T) on the first stage, else the previous stage's output (B, T, h),
+        or (B, T/tp, h) with sequence parallelism. Returns that hidden state unless this
+        stage is the last."""
+        cfg = self.cfg
         if self.pre_process:
             B, T = ids.shape
-            if T > self.cfg.seq_length:
+            if T > cfg.seq_length:
                 raise ValueError(f"sequence of {T} tokens is longer than seq_length "
-                                 f"{self.cfg.seq_length}")
-            pos = torch.arange(T, device=ids.device)
-            x = self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, h)
+                                 f"{cfg.seq_length}")
+            x = self.wte(ids)  # (B, T, h)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(T, device=ids.device))
+            if cfg.sequence_parallel:  # (B, T, h) -> (B, T/tp, h)
+                x = tp.scatter_to_sequence_parallel_region(x, SEQ_DIM, self.tp_group)
+            x = dropout(x, cfg.dropout, self.training, cfg.sequence_parallel)
         else:
             x = ids
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            if i < self.full_recompute_layers and self.training and torch.is_grad_enabled():
+                x = tp.checkpoint(block, x)
+            else:
+                x = block(x)
         if not self.post_process:
             return x
-        x = self.ln_f(x)  # (B, T, h)
-        # Tied output layer: this rank's vocabulary rows of the embedding table.
-        x = tp.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        logits = F.linear(x, self.wte.weight)  # (B, T, V/tp)
+        x = self.ln_f(x)  # (B, T, h), or (B, T/tp, h) with SP
+        if self.output_layer is not None:
+            logits, _ = self.output_layer(x)  # (B, T, V/tp)
+        else:
+            # Tied output layer: this rank's vocabulary rows of the embedding table.
+            if cfg.sequence_parallel:
+                x = tp.gather_from_sequence_parallel_region(x, SEQ_DIM, self.tp_group)
+            else:
+                x = tp.copy_to_tensor_model_parallel_region(x, self.tp_group)
+            logits = F.linear(x, self.wte.weight)  # (B, T, V/tp)
         if targets is None:
             return logits
         loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group)  # (B, T)
@@ -201,7 +433,7 @@ class GPT(nn.Module):
         rare tokens and unused positions towards zero regardless of the data (the
         minGPT convention; nanoGPT decays embeddings, Megatron decays them too).
         """
-        no_decay_modules = (nn.LayerNorm, nn.Embedding, tp.VocabParallelEmbedding)
+        no_decay_modules = (Norm, nn.LayerNorm, nn.Embedding, tp.VocabParallelEmbedding)
         decay, no_decay = [], []
         for module in self.modules():
             for name, p in module.named_parameters(recurse=False):
@@ -217,22 +449,33 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Parameters of the full (unsharded) model."""
         cfg = self.cfg
-        h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-        b = 1 if cfg.bias else 0
-        per_layer = (3 * h * h + 3 * h * b) + (h * h + h * b) + (2 * h * f + (f + h) * b)
-        per_layer += 2 * (h + h * b)  # two LayerNorms
-        return L * per_layer + cfg.vocab_size * h + cfg.seq_length * h + (h + h * b)
+        h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+        b = 1 if cfg.linear_bias else 0
+        qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+        fc = 2 * f if cfg.swiglu else f
+        norm = h * (2 if cfg.bias and cfg.normalization == "LayerNorm" else 1)
+        per_layer = (h * qkv + qkv * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
+        per_layer += 2 * norm
+        total = L * per_layer + V * h + norm
+        if cfg.position_embedding_type == "learned_absolute":
+            total += cfg.seq_length * h
+        if cfg.untie_embeddings_and_output_weights:
+            total += V * h
+        return total
 
 
 def flops_per_token(cfg: GPTConfig, seq_length: int | None = None) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token of the full model.
 
-    Matmuls only, 2 FLOPs per multiply-add: per layer QKV ``6h^2``, projection
-    ``2h^2``, MLP ``4hf``, attention scores and values ``4sh`` (counted without
-    the causal half, as Megatron and PaLM do); the tied output layer ``2hV``.
+    Matmuls only, 2 FLOPs per multiply-add: per layer QKV ``2h(h + 2*G*hd)`` (``6h^2``
+    for multi-head), projection ``2h^2``, MLP ``4hf`` (``6hf`` with SwiGLU), attention
+    scores and values ``4sh`` (counted without the causal half, as Megatron and PaLM
+    do); the output layer ``2hV``. Recomputation is not counted (model FLOPs).
     Equals ``6 * N_matmul + 12 * L * s * h``.
     """
     s = cfg.seq_length if seq_length is None else seq_length
     h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-    forward = L * (8 * h * h + 4 * h * f + 4 * s * h) + 2 * h * V
+    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+    mlp = 3 * h * f if cfg.swiglu else 2 * h * f
+    forward = L * (2 * h * qkv + 2 * h * h + 2 * mlp + 4 * s * h) + 2 * h * V
     return 3.0 * forward

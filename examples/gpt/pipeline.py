@@ -142,6 +142,8 @@ def tie_embedding(model: GPT, optimizer) -> TiedEmbedding | None:
     """:class:`TiedEmbedding` on the first and last stage of a pipeline, else None."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return None
+    if model.cfg.untie_embeddings_and_output_weights:
+        return None
     if not (model.pre_process or model.post_process):
         return None
     return TiedEmbedding(model, optimizer)
@@ -210,7 +212,12 @@ class _P2P:
 
 
 def _hidden_shape(model: GPT, batches) -> tuple[int, ...]:
-    return (*batches[0][0].shape, model.cfg.hidden_size)  # (micro, seq, h)
+    """The activation a stage sends: (micro, seq, h), or (micro, seq/tp, h) with
+    sequence parallelism."""
+    micro, seq = batches[0][0].shape
+    if model.cfg.sequence_parallel:
+        seq //= parallel_state.get_tensor_model_parallel_world_size()
+    return (micro, seq, model.cfg.hidden_size)
 
 
 def forward_backward_1f1b(model: GPT, optimizer, batches: list, autocast=contextlib.nullcontext

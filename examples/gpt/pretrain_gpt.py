@@ -52,7 +52,9 @@ from mpzero import tensor_parallel as tp  # noqa: E402
 # Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "seq_length", "padded_vocab_size")
+             "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
+             "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
+             "disable_bias_linear")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +67,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seq-length", type=int, default=256)
     g.add_argument("--dropout", type=float, default=0.0)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--swiglu", action="store_true", help="SiLU-gated MLP (Llama)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="KV heads with --group-query-attention (split over TP when >= tp)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the linear layers (the norms keep theirs)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard norms, dropout and residual along the sequence over TP")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: whole blocks; selective: the attention core")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="full: recompute the first N blocks (default all)")
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
@@ -112,6 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="BPE vocabulary when preparing the default corpus")
     g.add_argument("--data-max-mb", type=float, default=4.0,
                    help="MiB of the default corpus when preparing it")
+    g.add_argument("--data-path", default=None,
+                   help="Megatron indexed dataset PREFIX (PREFIX.bin + PREFIX.idx)")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test document weights of --data-path")
+    g.add_argument("--tokenizer-file", default=None,
+                   help="tokenizers JSON: its vocabulary sizes the model")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -186,6 +213,57 @@ def prepare_data(args) -> Path:
         data.prepare(cfg, data_dir)
     dist.barrier()
     return data_dir
+
+
+def load_data(args) -> tuple[np.ndarray, np.ndarray, int]:
+    """Train and validation token streams and the vocabulary size.
+
+    ``--data-path``: a Megatron indexed dataset split by ``--split``; else the
+    prepared memmap directory. ``--tokenizer-file`` sets the vocabulary; token ids
+    that do not fit it (or, without one, the prepared vocabulary) are an error.
+    """
+    if args.data_path:
+        train, val = data.load_indexed_splits(args.data_path, args.split)
+        vocab = None
+    else:
+        data_dir = prepare_data(args)
+        train, val = data.load_tokens(data_dir, "train"), data.load_tokens(data_dir, "val")
+        vocab = data.read_meta(data_dir)["vocab_size"]
+    if args.tokenizer_file:
+        vocab = data.tokenizer_from_file(args.tokenizer_file).vocab_size
+    if vocab is not None:
+        for name, tokens in (("training", train), ("validation", val)):
+            data.check_vocabulary(tokens, vocab, f"{name} data of "
+                                  f"{args.data_path or args.data_dir or 'the default corpus'}")
+    else:  # an indexed dataset without a tokenizer: the ids it holds
+        vocab = int(max(np.max(train), np.max(val))) + 1
+    return train, val, vocab
+
+
+def model_config(args, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of the command line (Megatron's flag names)."""
+    granularity = args.recompute_granularity or ("selective" if args.recompute_activations
+                                                 else None)
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1 and \
+            dist.get_rank() == 0:
+        print("note: --sequence-parallel with tensor-model-parallel size 1 changes nothing")
+    return GPTConfig(vocab_size=vocab_size, seq_length=args.seq_length,
+                     num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads,
+                     ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout,
+                     sequence_parallel=args.sequence_parallel,
+                     recompute_granularity=granularity,
+                     recompute_num_layers=args.recompute_num_layers,
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_base=args.rotary_base, normalization=args.normalization,
+                     swiglu=args.swiglu, num_query_groups=args.num_query_groups,
+                     untie_embeddings_and_output_weights=
+                         args.untie_embeddings_and_output_weights,
+                     add_bias_linear=not args.disable_bias_linear)
 
 
 def lr_at(iteration: int, args) -> float:
@@ -346,15 +424,11 @@ def main(argv: list[str] | None = None) -> None:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    data_dir = prepare_data(args)
-    meta = data.read_meta(data_dir)
-    args.padded_vocab_size = padded_vocab_size(meta["vocab_size"],
-                                               args.tensor_model_parallel_size,
+    train_tokens, val_tokens, vocab_size = load_data(args)
+    meta = {"vocab_size": vocab_size}
+    args.padded_vocab_size = padded_vocab_size(vocab_size, args.tensor_model_parallel_size,
                                                args.make_vocab_size_divisible_by)
-    cfg = GPTConfig(vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-                    num_layers=args.num_layers, hidden_size=args.hidden_size,
-                    num_attention_heads=args.num_attention_heads,
-                    ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout)
+    cfg = model_config(args, args.padded_vocab_size)
     args.ffn_hidden_size = cfg.ffn_hidden_size
     if args.pipeline_model_parallel_size > 1:
         if args.optimizer != "dfa" or args.save or args.load:
@@ -370,8 +444,6 @@ def main(argv: list[str] | None = None) -> None:
         bucket_cap_mb=args.bucket_cap_mb,
         grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
-    train_tokens = data.load_tokens(data_dir, "train")
-    val_tokens = data.load_tokens(data_dir, "val")
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)
 

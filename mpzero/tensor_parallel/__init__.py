@@ -5,6 +5,12 @@
 (``input_is_parallel=True``), with a :class:`VocabParallelEmbedding` in front and
 :func:`vocab_parallel_cross_entropy` at the end. Groups default to
 ``parallel_state.get_tensor_model_parallel_group()``.
+
+Sequence parallelism: ``sequence_parallel=True`` on both linear layers plus the
+``*_sequence_parallel_region`` mappings; parameters used on sequence chunks are
+marked with :func:`mark_sequence_parallel` and wrapped in
+:func:`reduce_grad_over_tensor_model_parallel_region` where they are used.
+:func:`checkpoint` is activation recomputation that replays the TP RNG tracker.
 """
 
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -17,13 +23,19 @@ from mpzero.tensor_parallel.layers import (
 )
 from mpzero.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    mark_sequence_parallel,
     reduce_from_tensor_model_parallel_region,
+    reduce_grad_over_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from mpzero.tensor_parallel.random import (
     MODEL_PARALLEL_RNG_TRACKER_NAME,
     RNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
@@ -42,6 +54,12 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_grad_over_tensor_model_parallel_region",
+    "mark_sequence_parallel",
+    "checkpoint",
     "MODEL_PARALLEL_RNG_TRACKER_NAME",
     "RNGStatesTracker",
     "get_cuda_rng_tracker",

@@ -28,8 +28,12 @@ from torch import nn
 
 from mpzero.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    mark_sequence_parallel,
     reduce_from_tensor_model_parallel_region,
+    reduce_grad_over_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from mpzero.tensor_parallel.utils import (
@@ -105,14 +109,20 @@ class ColumnParallelLinear(_TensorParallelModule):
     ``gather_output=True``. ``forward`` returns ``(output, bias)``: ``bias`` is
     ``None`` unless ``skip_bias_add``, which returns it instead of adding it (so a
     caller can fuse the add into what follows).
+
+    ``sequence_parallel=True``: the input is this rank's chunk of the sequence (dim
+    ``sequence_dim``), all-gathered before the matmul; its gradient is
+    reduce-scattered back to the chunk (instead of all-reduced).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
         super().__init__(tp_group)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -135,7 +145,10 @@ class ColumnParallelLinear(_TensorParallelModule):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        if self.sequence_parallel:  # (.., s/tp, ..) -> (.., s, ..)
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
         out = F.linear(x, self.weight, bias)  # (..., out/tp)
         if self.gather_output:
@@ -156,14 +169,25 @@ class RowParallelLinear(_TensorParallelModule):
     features (``input_is_parallel=True``, e.g. a :class:`ColumnParallelLinear`
     output) or the full input, which is then split. ``forward`` returns
     ``(output, bias)`` as :class:`ColumnParallelLinear` does.
+
+    ``sequence_parallel=True`` (needs ``input_is_parallel``): the sum over ranks is a
+    reduce-scatter, so the output is this rank's chunk of the sequence (dim
+    ``sequence_dim``). The bias is then added to a chunk: it is marked
+    ``sequence_parallel`` and its gradient is all-reduced over TP inside the
+    autograd graph (also the bias returned by ``skip_bias_add``).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  input_is_parallel: bool = False, init_method: InitMethod | None = None,
                  skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, *,
+                 sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
         super().__init__(tp_group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear(sequence_parallel=True) needs "
+                             "input_is_parallel=True")
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -173,6 +197,8 @@ class RowParallelLinear(_TensorParallelModule):
         if bias:
             self.bias = _param((output_size,), params_dtype, device)
             self.bias.tensor_model_parallel = False  # replicated on every TP rank
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -189,11 +215,18 @@ class RowParallelLinear(_TensorParallelModule):
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # (..., in/tp)
         partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
-        out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        bias = self.bias
+        if self.sequence_parallel:  # (.., s, ..) -> (.., s/tp, ..)
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
+                                                             self.tp_group)
+            if bias is not None:
+                bias = reduce_grad_over_tensor_model_parallel_region(bias, self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
         if self.skip_bias_add:
-            return out, self.bias
-        if self.bias is not None:
-            out = out + self.bias
+            return out, bias
+        if bias is not None:
+            out = out + bias
         return out, None
 
     def extra_repr(self) -> str:

@@ -16,10 +16,12 @@ default ones afterwards, so dropout inside the fork is per-rank on either device
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank
 
@@ -141,3 +143,32 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
 
 
 model_parallel_manual_seed = model_parallel_cuda_manual_seed
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint`` (non-reentrant) that also replays the tracked RNG.
+
+    torch's checkpoint restores the default CPU/CUDA generators before the
+    recomputation (``preserve_rng_state``), but the tracker's states live outside
+    them: dropout inside ``get_rng_tracker().fork()`` would draw a fresh mask on
+    recompute. The tracker's states are saved here at the forward pass, swapped in
+    for the recomputation and swapped back after it (also when torch stops the
+    recomputation early), so recomputed activations are bit-identical.
+    """
+    saved = _TRACKER.get_states()
+    calls = 0
+
+    def run(*a: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the forward pass itself
+            return function(*a, **kw)
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(saved)
+        try:
+            return function(*a, **kw)
+        finally:
+            _TRACKER.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False,
+                                             preserve_rng_state=True, **kwargs)
