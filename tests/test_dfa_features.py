@@ -27,27 +27,41 @@ def _reference(world, data, steps, lr=1e-2, wd=0.0, skip=None, dtype=torch.float
 
 
 # ---------------------------------------------------------------- ordering / unused
+def _forward_head_bias_last(model, x):
+    """The model's forward, with the head's bias used through a node made first: the
+    engine runs later nodes first, so head.bias's gradient arrives last (it arrives
+    first in the plain forward)."""
+    bias = model.head.bias * 1.0
+    h = torch.tanh(model.fc1(x))
+    h = model.norm(h)
+    h = torch.nn.functional.gelu(model.fc2(h)) + h
+    return torch.nn.functional.linear(h, model.head.weight) + bias
+
+
 def _different_grad_order_and_unused():
-    """Rank 1 runs its layers in a different order of backward and leaves a param unused."""
+    """Odd ranks' autograd visits the params in another order; only rank 0 touches the
+    unused layer. One backward pass per step on every rank (as with DDP)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model = make_model(unused=True)
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    order = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n))
     data = batches(world, 3, 1)
     for s in range(3):
         opt.zero_grad()
         x, y = data[s][rank][0]
-        loss = loss_fn(model, x, y)
+        if rank % 2 == 1:
+            loss = torch.nn.functional.mse_loss(_forward_head_bias_last(model, x), y,
+                                                reduction="sum")
+        else:
+            loss = loss_fn(model, x, y)
         if rank == 0:  # only rank 0 touches the unused layer (with zero effect on the loss)
             loss = loss + 0.0 * model.unused(torch.ones(1, 3)).sum()
-        if rank % 2 == 1:
-            # Different autograd order: backward through a detour that visits the head's
-            # bias first (its grad arrives first), then the rest.
-            loss.backward(inputs=[model.head.bias])
-            rest = [p for n, p in model.named_parameters()
-                    if p is not model.head.bias and not n.startswith("unused")]
-            loss_fn(model, x, y).backward(inputs=rest)
-        else:
-            loss.backward()
+        order.clear()
+        loss.backward()
+        used = [n for n in order if not n.startswith("unused")]
+        assert used[0 if rank % 2 == 0 else -1] == "head.bias", order
         opt.step()
     ref = make_model(unused=True)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)

@@ -111,10 +111,6 @@ def _accumulate_late_grads(grid, case, use_no_sync, cap, order):
 @pytest.mark.parametrize("use_no_sync", [False, True])
 def test_accumulation_param_without_grad_in_first_microbatch(world, world_size, grid, case,
                                                              use_no_sync):
-    if case == "rank_dependent" and not use_no_sync:
-        pytest.skip("known limitation: without no_sync(), ranks that skip different parameters "
-                    "in one micro-batch launch buckets at different points; needs a collective "
-                    "round decision (open)")
     for cap in (TINY, LARGE):
         for order in ("forward", "reversed", "shuffled"):
             assert all(world(world_size, _accumulate_late_grads, grid, case, use_no_sync, cap,
