@@ -35,6 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mpzero.checkpoint import dcp as mdcp
+
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
 SBATCH = GPT_DIR / "slurm" / "pretrain_gpt.sbatch"
@@ -348,7 +350,10 @@ def test_sbatch_two_nodes_trains_and_checkpoints(cluster):
     model.load_state_dict(checkpointing.merge_tensor_parallel_shards(latest))
     got = _val_loss(model, data_dir, cfg.seq_length, 2 * 16, 4)
     assert got == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
-    shard = checkpointing.verified_load(latest, "model_tp01.pt", manifest)
-    assert shard["optimizer"]["format"] == 2
-    param_states = [k for k in shard["optimizer"]["state"] if isinstance(k, int)]
-    assert len(param_states) == len(shard["model"])
+    # The default format (torch_dist): the optimizer consolidates into a format-2 dict
+    # with a state for every model parameter.
+    assert manifest["ckpt_format"] == "torch_dist"
+    full = mdcp.consolidate(latest / checkpointing.DCP_DIR)
+    assert full["optimizer"]["format"] == 2
+    param_states = [k for k in full["optimizer"]["state"] if isinstance(k, int)]
+    assert len(param_states) == len(full["model"])
