@@ -38,13 +38,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from mpzero import parallel_state  # noqa: E402
+from mpzero import tensor_parallel as tp  # noqa: E402
+
 import checkpointing  # noqa: E402
 import data  # noqa: E402
 from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
 from optim import build_optimizer  # noqa: E402
-
-from mpzero import parallel_state  # noqa: E402
-from mpzero import tensor_parallel as tp  # noqa: E402
 
 # Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}

@@ -112,6 +112,7 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in read_log(path)[0]]
 
 
+@pytest.mark.slow  # three 4- and 2-rank torchrun jobs plus the single-rank references
 @pytest.mark.parametrize("layout", [
     ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"]),
     ("dp4-dist2x2", 4, ["--distributed-optimizer-size", "2", "--overlap-param-sync"]),
