@@ -24,6 +24,9 @@ sys.path.insert(0, str(GPT_DIR))
 import data  # noqa: E402
 from plot_log import plot, read_log  # noqa: E402
 
+# Every test here runs real torchrun jobs (2-4 ranks, ~1 min on 2 cores): `make test` only.
+pytestmark = pytest.mark.slow
+
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16",
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "5", "--clip-grad", "1.0",
@@ -112,7 +115,6 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in read_log(path)[0]]
 
 
-@pytest.mark.slow  # three 4- and 2-rank torchrun jobs plus the single-rank references
 @pytest.mark.parametrize("layout", [
     ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"]),
     ("dp4-dist2x2", 4, ["--distributed-optimizer-size", "2", "--overlap-param-sync"]),
