@@ -53,6 +53,10 @@ def plot(paths: list[str], output: str, title: str | None = None) -> Path:
     ax_mem.set(xlabel="iteration", ylabel="GiB (max over ranks)", title="peak memory")
     for ax in (ax_tput, ax_mem, ax_lr):
         ax.set_ylim(bottom=0)
+        if ax.lines:  # headroom above the highest point (a flat memory curve hugs the top)
+            top = max((max(line.get_ydata(), default=0) for line in ax.lines), default=0)
+            if top > 0:
+                ax.set_ylim(0, 1.1 * top)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
