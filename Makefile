@@ -1,11 +1,12 @@
-# The README's two commands: `make demo` (the main job) and `make test`.
-# Each sets itself up from nothing: a virtualenv with pinned installs.
+# The README's commands: `make demo` (the main job), `make test` (everything) and
+# `make test-quick` (all but the tests marked slow). Each sets itself up from nothing:
+# a virtualenv with pinned installs. None of them installs anything outside .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-quick lint venv clean
 
 $(STAMP): requirements-ci.txt pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --timeout 600 $(PYTEST_ARGS)
+
+# Everything but @pytest.mark.slow (world-8 runs, multi-rank torchrun jobs, SLURM).
+test-quick: $(STAMP)
+	$(PY) -m pytest -q --timeout 300 -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gpt"))
 
+from mpzero import parallel_state  # noqa: E402
+
 from model import GPT, GPTConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
-
-from mpzero import parallel_state  # noqa: E402
 
 GIB = 2**30
 

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -31,7 +32,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
     "World",
     "run_on_world",
     "close_worlds",
-    "requires_cuda",
+    "requires_cuda",  # noqa: F822 - provided lazily by __getattr__ (imports pytest)
     "cuda_available",
 ]
 
@@ -55,7 +55,14 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def __getattr__(name: str):
+    # ``requires_cuda`` is a pytest marker; pytest is imported only when it is asked for,
+    # so this module (World, run_on_world) works without pytest installed.
+    if name == "requires_cuda":
+        import pytest
+
+        return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RankError(RuntimeError):
@@ -141,9 +148,18 @@ class World:
         # The parent hosts the rendezvous store on a free port picked by the OS.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._stack_dir = tempfile.mkdtemp(prefix="mpzero-world-")
+        _STACK_DIRS.add(self._stack_dir)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._conns, self._procs = [], []
+        try:
+            self._start(ctx, size, backend, pg_timeout, start_timeout)
+        except BaseException:
+            self.kill()  # also removes the temporary directory
+            raise
+
+    def _start(self, ctx, size: int, backend: str, pg_timeout: float,
+               start_timeout: float) -> None:
         for rank in range(size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
@@ -187,6 +203,7 @@ class World:
                 p.kill()
         for p in self._procs:
             p.join(5)
+        _remove_dir(self._stack_dir)
 
     def __enter__(self) -> World:
         return self
@@ -276,6 +293,13 @@ class World:
 
 
 _WORLDS: OrderedDict[tuple[int, str], World] = OrderedDict()
+# Every /tmp/mpzero-world-* this process made and has not removed yet (atexit removes them).
+_STACK_DIRS: set[str] = set()
+
+
+def _remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _STACK_DIRS.discard(path)
 
 
 def get_world(size: int, backend: str = "gloo") -> World:
@@ -303,10 +327,14 @@ def run_on_world(size: int, fn: Callable[..., Any], *args, backend: str = "gloo"
 
 
 def close_worlds() -> None:
-    """Close every cached world."""
-    while _WORLDS:
-        _, w = _WORLDS.popitem()
-        w.close()
+    """Close every cached world and remove the temporary directories of all worlds."""
+    try:
+        while _WORLDS:
+            _, w = _WORLDS.popitem()
+            w.close()
+    finally:
+        for path in list(_STACK_DIRS):
+            _remove_dir(path)
 
 
 atexit.register(close_worlds)

@@ -8,12 +8,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import batches, groups_for, make_model, train_split_steps
 
 from mpzero import parallel_state as ps
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from dfa_common import batches, groups_for, make_model, train_split_steps
 
 TINY = 24 * 4 / 2**20
 pytestmark = pytest.mark.timeout(300)

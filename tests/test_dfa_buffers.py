@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
 from mpzero.kernels.precision import copy_high_bytes, expand_high_bytes, split_remainder
 from mpzero.optimizers import DistributedFusedAdam
+
+from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
 TINY = 24 * 4 / 2**20
 

@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import batches, groups_for, make_model, train_split_steps
 
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers import checkpoint as ckpt
+
+from dfa_common import batches, groups_for, make_model, train_split_steps
 
 TINY = 24 * 4 / 2**20
 SAVED_WORLD, STEPS, MORE = 4, 2, 2

@@ -7,9 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
 from mpzero.optimizers import DistributedFusedAdam, OptionError
+
+from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
 TINY = 24 * 4 / 2**20  # 24 fp32 elements of bucket capacity
 

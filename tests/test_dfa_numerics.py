@@ -7,9 +7,10 @@ across buckets; 3 micro-batches with no_sync() for the first two.
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, batches, loss_fn, make_model, train_compare
 
 from mpzero.optimizers import DistributedFusedAdam
+
+from dfa_common import ATOL, RTOL, batches, loss_fn, make_model, train_compare
 
 WORLDS = [(1, "flat"), (2, "flat"), (4, "flat"), (4, "2x2")]
 

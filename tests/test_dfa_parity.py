@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, batches, groups_for, loss_fn, make_model
 
 from mpzero.optimizers import DistributedFusedAdam
+
+from dfa_common import ATOL, RTOL, batches, groups_for, loss_fn, make_model
 
 TINY = 1e-5  # MiB: 2-3 fp32 elements, rounded up to one alignment unit: params fragment
 LARGE = 100.0

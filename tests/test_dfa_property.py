@@ -11,11 +11,12 @@ about lr per step, so a slightly different gradient costs at most ~lr).
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import ATOL, RTOL, groups_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpzero.optimizers import DistributedFusedAdam
+
+from dfa_common import ATOL, RTOL, groups_for
 
 STEPS = 3
 GRIDS = [(1, "flat"), (2, "flat"), (4, "flat"), (4, "2x2")]

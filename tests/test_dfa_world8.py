@@ -5,10 +5,11 @@ format-2 hops) ending where an uninterrupted 8-rank run ends."""
 import pytest
 import torch
 import torch.distributed as dist
-from dfa_common import batches, groups_for, make_model, train_compare, train_split_steps
 
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers import checkpoint as ckpt
+
+from dfa_common import batches, groups_for, make_model, train_compare, train_split_steps
 
 TINY = 24 * 4 / 2**20
 GLOBAL = 8  # micro-batches per step, split over the ranks of each hop

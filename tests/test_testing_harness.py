@@ -50,3 +50,22 @@ def test_hang_becomes_timeout():
             w.run(_hang_rank0, timeout=3)
         assert time.time() - t0 < 20
         assert not w.alive
+        assert not os.path.exists(w._stack_dir)  # its temporary directory is gone too
+
+
+def test_closed_world_removes_its_temporary_directory():
+    with World(1) as w:
+        stack_dir = w._stack_dir
+        assert os.path.isdir(stack_dir)
+    assert not os.path.exists(stack_dir)
+
+
+def test_importable_without_pytest():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['pytest'] = None\n"
+            "import mpzero.testing as t; assert t.World and t.run_on_world\n"
+            "try:\n    t.requires_cuda\nexcept ImportError:\n    pass\n"
+            "else:\n    raise SystemExit('requires_cuda imported pytest')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

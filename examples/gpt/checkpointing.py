@@ -197,6 +197,10 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
     if ckpt_format == "torch_dist" and not (_distributed()
                                             and hasattr(optimizer, "sharded_state_dict")):
         ckpt_format = "torch"
+    if hasattr(optimizer, "param_sync"):
+        # With overlap_param_sync the weights are all-gathered in the next forward: until
+        # then model.state_dict() would hold the previous step's values.
+        optimizer.param_sync()
     if _distributed():
         dist.barrier()  # the directory exists for everyone (shared file systems lag)
     written: dict[str, str] = {}

@@ -61,9 +61,10 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from model import GPT, GPTConfig
 
 from mpzero import parallel_state
+
+from model import GPT, GPTConfig
 
 TAG_FORWARD, TAG_BACKWARD = 1, 2
 _WARMED_UP: set = set()  # NCCL pipeline groups whose communicator exists

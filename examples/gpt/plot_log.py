@@ -1,4 +1,4 @@
-"""Draw the loss and throughput curves of pretrain_gpt.py's JSONL log(s) to a PNG.
+"""Draw loss, learning rate, throughput and memory of pretrain_gpt.py's JSONL log(s) to a PNG.
 
     python examples/gpt/plot_log.py run.jsonl [other.jsonl ...] --output curves.png
 """
@@ -31,23 +31,36 @@ def plot(paths: list[str], output: str, title: str | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    (ax_loss, ax_lr), (ax_tput, ax_mem) = axes
     for path in paths:
         train, evals = read_log(path)
         label = Path(path).stem
         if train:
             its = [r["iteration"] for r in train]
             ax_loss.plot(its, [r["loss"] for r in train], label=f"{label} train")
+            ax_lr.plot(its, [r["lr"] for r in train], label=label)
             ax_tput.plot(its, [r["tokens_per_s"] for r in train], label=label)
+            mem = [(r["iteration"], r["memory_gib"]) for r in train if "memory_gib" in r]
+            if mem:
+                ax_mem.plot(*zip(*mem), label=f"{label} ({train[-1].get('memory_kind', '')})")
         if evals:
             ax_loss.plot([r["iteration"] for r in evals], [r["val_loss"] for r in evals],
                          "o--", label=f"{label} validation")
     ax_loss.set(xlabel="iteration", ylabel="loss (nats/token)", title="loss")
+    ax_lr.set(xlabel="iteration", ylabel="learning rate", title="learning rate")
     ax_tput.set(xlabel="iteration", ylabel="tokens / s (whole job)", title="throughput")
-    ax_tput.set_ylim(bottom=0)
-    for ax in (ax_loss, ax_tput):
+    ax_mem.set(xlabel="iteration", ylabel="GiB (max over ranks)", title="peak memory")
+    for ax in (ax_tput, ax_mem, ax_lr):
+        ax.set_ylim(bottom=0)
+        if ax.lines:  # headroom above the highest point (a flat memory curve hugs the top)
+            top = max((max(line.get_ydata(), default=0) for line in ax.lines), default=0)
+            if top > 0:
+                ax.set_ylim(0, 1.1 * top)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

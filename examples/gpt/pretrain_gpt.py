@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import socket
@@ -39,18 +38,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import checkpointing  # noqa: E402
-import data  # noqa: E402
 import faults  # noqa: E402
 import pipeline  # noqa: E402
-from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
-from optim import build_optimizer  # noqa: E402
 
 from mpzero import parallel_state  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
 
-# Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+import arg_checks  # noqa: E402
+import checkpointing  # noqa: E402
+import data  # noqa: E402
+import logging_utils  # noqa: E402
+from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
+from optim import build_optimizer  # noqa: E402
+
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
              "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
@@ -58,12 +58,13 @@ ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_siz
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-2 DP (mpzero)")
+    p = argparse.ArgumentParser(description="Pretrain a GPT with TP x ZeRO-2 DP (mpzero)",
+                                formatter_class=arg_checks.HelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="None: 4 x hidden")
     g.add_argument("--seq-length", type=int, default=256)
     g.add_argument("--dropout", type=float, default=0.0)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -89,12 +90,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="sequences per iteration (default micro x dp: no accumulation)")
+                   help="sequences per iteration (None: micro x dp, no accumulation)")
     g.add_argument("--train-iters", type=int, default=1000)
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--min-lr", type=float, default=6e-5)
     g.add_argument("--lr-warmup-iters", type=int, default=100)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="None: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
@@ -105,11 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (1F1B over the micro-batches; see pipeline.py)")
     g.add_argument("--distributed-optimizer-size", type=int, default=None,
-                   help="ranks one optimizer shard is spread over (default: the whole DP group)")
+                   help="ranks one optimizer shard is spread over (None: the whole DP group)")
     g.add_argument("--distribute-within-nodes", action="store_true",
                    help="shard the optimizer over the DP ranks of each node")
     g.add_argument("--overlap-grad-sync", action=argparse.BooleanOptionalAction, default=True,
-                   help="reduce-scatter gradient buckets during backward (default on)")
+                   help="reduce-scatter gradient buckets during backward")
     g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
                    default=False, help="all-gather parameters in the next forward pass")
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
@@ -143,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    g.add_argument("--load-iteration", type=int, default=None, help="default: latest")
+    g.add_argument("--load-iteration", type=int, default=None, help="None: the latest")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
                    help="torch_dist: each rank writes its shards (DCP), loads at any grid; "
@@ -159,10 +160,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--eval-interval", type=int, default=100, help="0 = only at the end")
     g.add_argument("--eval-iters", type=int, default=10, help="global batches per evaluation")
     g.add_argument("--log-file", default=None, help="JSONL log (rank 0 appends)")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write the logged scalars for TensorBoard here (rank 0)")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none when stderr is not a terminal)")
     g.add_argument("--peak-tflops", type=float, default=None,
-                   help="peak TFLOP/s per device for MFU (default: known GPUs in bf16)")
-    return p.parse_args(argv)
+                   help="peak TFLOP/s per device for MFU (None: known GPUs in bf16)")
+    args = p.parse_args(argv)
+    arg_checks.check_args(p, args)
+    return args
 
 
 # ----------------------------------------------------------------------------- setup
@@ -276,67 +282,23 @@ def lr_at(iteration: int, args) -> float:
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
-def peak_tflops(args, device: torch.device) -> float | None:
-    if args.peak_tflops is not None:
-        return args.peak_tflops
-    if device.type != "cuda" or not args.bf16:
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-
-
-def memory_gib(device: torch.device) -> float:
-    """Max allocated on CUDA; resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-class _NoBar:
-    """Stands in for tqdm when it is not installed (plain log lines then)."""
-
-    disable = True
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, **_) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @staticmethod
-    def write(msg: str) -> None:
-        print(msg, flush=True)
-
-
-def _progress_bar(**kwargs):
+def check_architecture(args) -> None:
+    """The checkpoint to resume from has this run's model shape (else CheckpointError)."""
+    if args.load_iteration is not None:
+        ckpt = checkpointing.iteration_dir(args.load, args.load_iteration)
+    else:
+        ckpt = checkpointing.read_latest(args.load)
+    if ckpt is None:
+        return
     try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(**kwargs)
-
-
-class JsonlLog:
-    """Rank 0 appends one JSON object per line (and flushes, so a crash keeps it)."""
-
-    def __init__(self, path: str | None, enabled: bool) -> None:
-        self.f = None
-        if path and enabled:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "a")  # noqa: SIM115 - lives as long as the run
-
-    def write(self, record: dict) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
+        saved = checkpointing.read_manifest(ckpt).get("args") or {}
+    except checkpointing.CheckpointError:
+        return  # a broken checkpoint: loading skips it (or says why it cannot)
+    for key in ARCH_ARGS:
+        if key in saved and saved[key] != getattr(args, key):
+            raise checkpointing.CheckpointError(
+                f"{ckpt} has {key}={saved[key]}, this run has --{key.replace('_', '-')}="
+                f"{getattr(args, key)}")
 
 
 # ----------------------------------------------------------------------------- steps
@@ -452,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
                               exit_duration_mins=args.exit_duration_in_mins, device=device)
     iteration = 0
     if args.load:
+        check_architecture(args)  # before load_state_dict, which would fail less clearly
         manifest = checkpointing.load_checkpoint(
             args.load, model, None if args.no_load_optim else optimizer,
             iteration=args.load_iteration, load_rng=not args.no_load_rng)
@@ -459,11 +422,6 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 print(f"no checkpoint in {args.load}: starting from scratch")
         else:
-            saved = manifest.get("args") or {}
-            for key in ARCH_ARGS:
-                if key in saved and saved[key] != getattr(args, key):
-                    raise checkpointing.CheckpointError(
-                        f"checkpoint has {key}={saved[key]}, this run has {getattr(args, key)}")
             iteration = manifest["iteration"]
             if manifest.get("data"):
                 sampler.load_state_dict(manifest["data"])
@@ -471,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"resumed from {args.load} at iteration {iteration}")
 
     flops_tok = flops_per_token(cfg)
-    peak = peak_tflops(args, device)
+    peak = logging_utils.peak_tflops(args, device)
     if rank == 0:
         print(f"GPT: {model.num_parameters() / 1e6:.2f}M parameters, vocab "
               f"{meta['vocab_size']} (padded {cfg.vocab_size}), world {world} = tp "
@@ -485,8 +443,11 @@ def main(argv: list[str] | None = None) -> None:
     # Which node each rank runs on, so the log shows what the optimizer groups span.
     nodes: list = [None] * world
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-    log = JsonlLog(args.log_file, rank == 0)
-    log.write({"kind": "setup", "iteration": iteration, "world_size": world,
+    log = logging_utils.TrainLogger(enabled=rank == 0, train_iters=args.train_iters,
+                                    start_iteration=iteration, log_file=args.log_file,
+                                    tensorboard_dir=args.tensorboard_dir,
+                                    progress=False if args.no_progress else None)
+    log.setup({"iteration": iteration, "world_size": world,
                "tensor_model_parallel_size": args.tensor_model_parallel_size,
                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                "data_parallel_size": dp, "grad_acc": grad_acc, "optimizer": args.optimizer,
@@ -498,11 +459,7 @@ def main(argv: list[str] | None = None) -> None:
                "nodes": nodes, "parameters": model.num_parameters(),
                "flops_per_token": flops_tok, "device": device.type, "bf16": use_bf16})
     dp_group = parallel_state.get_data_parallel_group()
-    bar = _progress_bar(total=args.train_iters, initial=iteration,
-                        disable=rank != 0 or args.no_progress, dynamic_ncols=True,
-                        mininterval=1.0, desc="train")
     interval_losses, interval_norms = [], []
-    tokens_per_iter = args.global_batch_size * args.seq_length
     t_interval, iters_interval = time.perf_counter(), 0
 
     def save(it: int) -> None:
@@ -512,9 +469,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run_eval(it: int) -> None:
         val = evaluate(model, val_tokens, args, device, autocast)
-        log.write({"kind": "eval", "iteration": it, "val_loss": val})
-        if rank == 0:
-            bar.write(f"iter {it:6d} | validation loss {val:.4f}")
+        log.eval(it, val)
 
     while iteration < args.train_iters:
         iteration += 1
@@ -526,35 +481,22 @@ def main(argv: list[str] | None = None) -> None:
         interval_losses.append(loss)
         interval_norms.append(norm)
         iters_interval += 1
-        bar.update(1)
+        log.step()
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             losses = torch.stack(interval_losses).to(device)
             dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=dp_group)
-            mem = torch.tensor([memory_gib(device)], device=device)
+            mem = torch.tensor([logging_utils.memory_gib(device)], device=device)
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - t_interval
-            tok_s = tokens_per_iter * iters_interval / elapsed
-            tflops = flops_tok * tok_s / world / 1e12
-            record = {"kind": "train", "iteration": iteration,
-                      "loss": float(losses.mean()), "lr": lr,
-                      "grad_norm": float(torch.stack(interval_norms).mean()),
-                      "tokens_per_s": tok_s, "iter_time_s": elapsed / iters_interval,
-                      "tflops_per_device": tflops,
-                      "mfu": None if peak is None else tflops / peak,
-                      "memory_gib": float(mem), "memory_kind":
-                          "cuda_max_allocated" if device.type == "cuda" else "cpu_rss",
-                      "consumed_samples": iteration * args.global_batch_size}
-            log.write(record)
-            if rank == 0:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
-                if bar.disable or not sys.stderr.isatty():
-                    print(f"iter {iteration:6d} | loss {record['loss']:.4f} | lr {lr:.3e} | "
-                          f"grad norm {record['grad_norm']:.3f} | {tok_s:,.0f} tok/s | "
-                          f"{tflops:.3f} TFLOP/s/dev | mem {record['memory_gib']:.2f} GiB",
-                          flush=True)
+            log.train(iteration=iteration, loss=float(losses.mean()), lr=lr,
+                      grad_norm=float(torch.stack(interval_norms).mean()),
+                      interval_s=time.perf_counter() - t_interval,
+                      interval_iters=iters_interval, global_batch_size=args.global_batch_size,
+                      seq_length=args.seq_length, flops_per_token=flops_tok, world_size=world,
+                      peak_tflops=peak, memory_gib=float(mem),
+                      memory_kind=logging_utils.memory_kind(device))
             interval_losses, interval_norms = [], []
             t_interval, iters_interval = None, 0
 
@@ -567,14 +509,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and not saved:
                 save(iteration)
-            if rank == 0:
-                bar.write(f"exiting at iteration {iteration} (--exit-interval)")
+            log.message(f"exiting at iteration {iteration} (--exit-interval)")
             break
         if guard.exit_requested:  # the same on every rank (agreed in train_step)
             if args.save and not saved:
                 save(iteration)
             if rank == 0:
-                bar.write(f"exiting at iteration {iteration} ({guard.exit_reason})")
+                log.message(f"exiting at iteration {iteration} ({guard.exit_reason})")
             break
         if t_interval is None:  # restart the clock after logging, eval and saving
             t_interval = time.perf_counter()
@@ -583,7 +524,6 @@ def main(argv: list[str] | None = None) -> None:
             run_eval(iteration)
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
             save(iteration)
-    bar.close()
     log.close()
     guard.restore()
     parallel_state.destroy_model_parallel()

@@ -68,6 +68,7 @@ def test_byte_tokenizer_fallback(tmp_path, corpus):
     assert total == n_bytes + len(docs)  # one token per byte plus one end-of-text per doc
 
 
+@pytest.mark.slow  # tokenizes the real default corpus (~10 s on 2 busy cores)
 def test_default_corpus_is_the_stdlib_capped(tmp_path):
     files = data.stdlib_files()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
-from model import GPT, GPTConfig, flops_per_token  # noqa: E402
-
 from mpzero import parallel_state as ps  # noqa: E402
+
+from model import GPT, GPTConfig, flops_per_token  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,

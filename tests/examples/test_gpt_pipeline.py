@@ -24,15 +24,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
-import data  # noqa: E402
 import pipeline  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
-from plot_log import read_log  # noqa: E402
 
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
 from mpzero.testing import run_on_world  # noqa: E402
+
+import data  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from optim import build_optimizer  # noqa: E402
+from plot_log import read_log  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4)
 SEED, STEPS, MICRO = 1234, 3, 2

@@ -13,10 +13,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 
-from model import GPT, GPTConfig  # noqa: E402
-
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
+
+from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=3, hidden_size=32, num_attention_heads=4,
            dropout=0.2)

@@ -84,9 +84,9 @@ def _graph_captured_step():
     AdamW (gradients land in the contiguous grad buffer, whose address is stable)."""
     import copy
 
-    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
-
     from mpzero.optimizers import DistributedFusedAdam
+
+    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
     model = make_model()
     ref = copy.deepcopy(model)
@@ -127,9 +127,9 @@ def _graph_captured_step():
 
 def _nccl_ub():
     """nccl_ub=True: grad buffer and reduce-scatter outputs come from the registered pool."""
-    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
-
     from mpzero.optimizers import DistributedFusedAdam
+
+    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
 
     model = make_model()
     ref = make_model()

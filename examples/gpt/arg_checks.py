@@ -1,0 +1,55 @@
+"""pretrain_gpt.py's command line: ``--help`` with defaults, and contradictory flags.
+
+``check_args`` stops the run before anything starts when flags contradict each other
+(an argparse error that names the flag, exit status 2), and prints a ``warning:`` line
+on rank 0 for flags that are legal but probably not what was meant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows the default of every flag, also of those without a help text."""
+
+    def _format_action(self, action):
+        if action.help is None and action.option_strings:
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Contradictory flags: fail (argparse error naming the flag) or warn."""
+    for flag in ("train_iters", "micro_batch_size", "log_interval", "eval_iters", "seq_length"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.min_lr > args.lr:
+        p.error(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    for flag in ("lr_warmup_iters", "eval_interval", "clip_grad", "weight_decay"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must not be negative, got {getattr(args, flag)}")
+    if args.global_batch_size is not None and args.global_batch_size % args.micro_batch_size:
+        p.error(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
+                f"--micro-batch-size ({args.micro_batch_size})")
+
+    def warn(msg: str) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+    if args.lr_warmup_iters > args.train_iters:
+        warn(f"--lr-warmup-iters ({args.lr_warmup_iters}) > --train-iters "
+             f"({args.train_iters}): the run ends before the warmup does")
+    if args.lr_decay_iters is not None and args.lr_decay_iters < args.lr_warmup_iters:
+        warn(f"--lr-decay-iters ({args.lr_decay_iters}) < --lr-warmup-iters "
+             f"({args.lr_warmup_iters}): the lr drops to --min-lr right after the warmup")
+    if args.save_interval and not args.save:
+        warn("--save-interval is set but --save is not: nothing is saved")
+    if args.load is None and (args.load_iteration is not None or args.no_load_optim
+                              or args.no_load_rng):
+        warn("--load-iteration/--no-load-optim/--no-load-rng have no effect without --load")
+    if args.eval_interval and args.eval_interval > args.train_iters:
+        warn(f"--eval-interval ({args.eval_interval}) > --train-iters ({args.train_iters}): "
+             "validation runs only at the end")
