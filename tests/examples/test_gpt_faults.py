@@ -6,6 +6,7 @@ are skipped and too many in a row stop the run."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -66,9 +67,10 @@ def logs(out: Path, n: int) -> list[str]:
 
 
 def wait_for(out: Path, text: str, timeout: float) -> None:
+    """Until rank 0's log matches the regular expression ``text``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if text in (out / "rank0.log").read_text():
+        if re.search(text, (out / "rank0.log").read_text()):
             return
         time.sleep(0.2)
     raise AssertionError(f"{text!r} not in rank 0's log after {timeout} s:\n"
@@ -141,7 +143,7 @@ def test_no_valid_checkpoint_stops_every_rank_with_the_same_error(saved, data_di
 def test_sigterm_saves_and_exits_zero(data_dir, tmp_path):
     procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "100000",
                        "--save", str(tmp_path / "ckpt")], tmp_path)
-    wait_for(tmp_path, "iter      3 |", 120)
+    wait_for(tmp_path, r"iter +3/\d+ \|", 120)
     procs[1][0].send_signal(signal.SIGTERM)  # one rank is enough: the decision is collective
     codes = wait_all(procs, 120)
     text = logs(tmp_path, 2)
@@ -203,7 +205,9 @@ def test_other_grid_loads_and_wrong_model_is_refused(saved, data_dir, tmp_path):
     procs = launch(1, ["--data-dir", str(data_dir), "--train-iters", "4", "--load", str(saved),
                        "--hidden-size", "48"], tmp_path)
     text = logs(tmp_path, 1)[0] if wait_all(procs, 120) != [0] else "exit 0"
-    assert "does not fit this run" in text and TINY[hidden] == "32", text
+    # Refused before loading, naming the option and both values.
+    assert TINY[hidden] == "32"
+    assert "has hidden_size=32, this run has --hidden-size=48" in text, text
 
 
 @pytest.mark.timeout(120)
