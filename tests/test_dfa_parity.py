@@ -746,7 +746,6 @@ def _step_in_state():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(reason="open: fails against the current optimizer", strict=False)
 def test_step_count_in_per_param_state(world):
     assert all(world(2, _step_in_state))
 
