@@ -59,7 +59,9 @@ class _Timer:
         return host, host
 
 
-def run_setup(args, name, model_dtype, make_opt, graph=False):
+def prepare(args, model_dtype, make_opt, graph=False):
+    """Model, optimizer and gradients of one setup, warmed up: ``(params, opt, backward,
+    step)``; ``step`` is ``opt.step`` or the replay of a captured ``step()``."""
     model = _model(args, model_dtype)
     params = list(model.parameters())
     opt = make_opt(params, model)
@@ -70,8 +72,9 @@ def run_setup(args, name, model_dtype, make_opt, graph=False):
     def backward():
         opt.zero_grad()
         torch.autograd.backward(params, grads)  # leaf backward: hooks fire as in training
+        if graph:
+            opt.grad_sync()
 
-    timer = _Timer(args)
     for _ in range(args.warmup):
         backward()
         opt.step()
@@ -88,14 +91,18 @@ def run_setup(args, name, model_dtype, make_opt, graph=False):
         with torch.cuda.graph(cuda_graph):
             opt.step()
         step = cuda_graph.replay
+    return params, opt, backward, step
+
+
+def run_setup(args, name, model_dtype, make_opt, graph=False):
+    params, opt, backward, step = prepare(args, model_dtype, make_opt, graph)
+    timer = _Timer(args)
     times, hosts = [], []
     _sync(args)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.reps):
         backward()
-        if graph:
-            opt.grad_sync()
         _sync(args)
         t, h = timer(step)
         times.append(t)
