@@ -36,7 +36,8 @@ try:  # the CUDA extension is optional
 except ImportError:  # pragma: no cover - exercised where the extension is absent
     _cuda = None
 
-__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "extension_available"]
+__all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
+           "extension_available"]
 
 Scalar = float | int | torch.Tensor
 
@@ -157,6 +158,26 @@ def adam_remainders(
         _cuda.adam_remainders(*lists, **kw)
     else:
         reference.adam_remainders(*lists, **kw)
+
+
+def adam_implementation(remainders: bool, lists: Sequence[Sequence[torch.Tensor] | None],
+                        bias_correction: bool):
+    """The function :func:`adam` (or, with ``remainders``, :func:`adam_remainders`) would
+    run for argument lists of these devices and dtypes, for callers that make the same
+    call every step: checked once, called with the same arguments (``lists`` positional,
+    the rest by keyword)."""
+    if remainders:
+        if _on_cuda(*lists) and _cuda.adam_remainders_supported(*lists):
+            return _cuda.adam_remainders
+        return reference.adam_remainders
+    params, grads, exp_avgs, exp_avg_sqs, params_out = lists
+    if cpu.supported(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction):
+        def _cpu(*args, bias_correction, **kw):
+            cpu.adam(*args, **kw)
+        return _cpu
+    if _on_cuda(*lists) and _cuda.adam_supported(*lists):
+        return _cuda.adam
+    return reference.adam
 
 
 def l2norm(

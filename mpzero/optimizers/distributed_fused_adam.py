@@ -168,6 +168,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         # do not advance it, without a host sync.
         self._step_t = torch.zeros((), dtype=torch.float32, device=device) if capturable else None
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
+        self._grad_scaled = False  # _grad_scale != 1 (clipping or an unscale folded in)
         self._norm_cache: tuple[int, torch.Tensor] | None = None
         self._fingerprint_checked = False
         self._warned_no_module = False
@@ -304,7 +305,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
                     p.grad.detach_().zero_()
         if self._built:
             self._grad.reset()
-        self._grad_scale.fill_(1.0)
+        self._reset_grad_scale()
         self._norm_cache = None
 
     def param_sync(self) -> None:

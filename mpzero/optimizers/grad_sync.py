@@ -85,9 +85,14 @@ class GradBucket:
         return self._shard if self.shard_valid else None
 
     def start_fill(self) -> None:
-        """Allocate a zeroed buffer for a new round of gradients."""
+        """Start a new round of gradients: a zeroed buffer, or where the bucket buffer
+        is the shard (one rank in both groups) the shard itself, accumulated in place."""
         self._assert_state(GradState.EMPTY, GradState.SYNCED)
-        if self.persistent is not None:
+        if self.local_only and self._shard is not None and (
+                self.shard_valid or self._shard is self.persistent or self.stable_shard):
+            # Valid: the next micro-batch adds to it; else it was zeroed at reset.
+            self.buffer = self._shard
+        elif self.persistent is not None:
             # Zeroed when its last round finished syncing (or at reset), not here: what
             # the user wrote into grad_buffer_view() since then is part of this round.
             self.buffer = self.persistent
@@ -111,15 +116,15 @@ class GradBucket:
         """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
         if self.state is not GradState.FILLING:
             self.start_fill()
-        if self.persistent_incoming is not None:
-            self._incoming = self.persistent_incoming
-        elif self.local_only and self.persistent is None and not self.stable_shard:
+        if self.local_only:
             # One rank in both groups: the bucket buffer is already the reduced shard.
             self._incoming = self.buffer
             self.state = GradState.SYNCING
             self._pending = None
             self.launched_since_reset = True
             return
+        if self.persistent_incoming is not None:
+            self._incoming = self.persistent_incoming
         else:
             self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype,
                                          device=self.device)
@@ -132,7 +137,9 @@ class GradBucket:
         self._assert_state(GradState.SYNCING)
         if self._pending is not None:
             self._pending.wait()
-        if self.shard_valid:
+        if self._incoming is self._shard:
+            pass  # accumulated in place (the bucket buffer is the shard)
+        elif self.shard_valid:
             self._shard.add_(self._incoming)
         elif self._shard is not None and self.stable_shard:
             self._shard.copy_(self._incoming)  # keep the address (CUDA graphs)
@@ -141,7 +148,7 @@ class GradBucket:
         else:
             self._shard = self._incoming
         self.shard_valid = True
-        if self.persistent is not None and self._incoming is not self.persistent:
+        if self.persistent is not None and self._shard is not self.persistent:
             self.persistent.zero_()  # ready for the next round's gradients
         self._pending, self._incoming, self.buffer = None, None, None
         self.arrived = set()
@@ -157,6 +164,8 @@ class GradBucket:
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
             self._shard = None
+        elif self.local_only and self._shard is not None and self._shard is not self.persistent:
+            self._shard.zero_()  # the next round fills it in place
         self.launched_since_reset = False
         self.state = GradState.EMPTY
 

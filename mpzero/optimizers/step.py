@@ -24,6 +24,7 @@ from mpzero import comm, kernels
 from mpzero.kernels.precision import copy_high_bytes
 from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.options import is_byte_dtype
+from mpzero.optimizers.step_plan import GRAD, OUT, PlanBuilder, StepPlan
 from mpzero.warn import user_stacklevel
 
 
@@ -92,6 +93,7 @@ class StepMixin:
         norm = self.grad_norm(parameters, norm_type)
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         self._grad_scale.mul_(coef)
+        self._grad_scaled = True
         return norm
 
     def _found_inf(self) -> torch.Tensor:
@@ -136,6 +138,7 @@ class StepMixin:
         if inv_scale is not None:
             inv = torch.as_tensor(inv_scale, dtype=torch.float32).to(self.device)
             self._grad_scale.mul_(inv)
+            self._grad_scaled = True
 
     def step(self, closure=None, *, grad_scaler=None):
         """One optimizer step (see the module docstring for the flow)."""
@@ -162,7 +165,7 @@ class StepMixin:
                 self.unscale_grads(grad_scaler=grad_scaler)
             found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
             if not self.capturable and found_inf.item():
-                self._grad_scale.fill_(1.0)  # skipped: same decision on every rank
+                self._reset_grad_scale()  # skipped: same decision on every rank
                 return loss
         if self.capturable:
             self._step_t.add_(1.0 if found_inf is None else 1.0 - found_inf)
@@ -172,9 +175,16 @@ class StepMixin:
             self._local_step(found_inf if self.capturable else None)
         self._mirror_step()
         self._grad.mark_stepped()
-        self._grad_scale.fill_(1.0)
+        self._reset_grad_scale()
         self._norm_cache = None
         return loss
+
+    def _reset_grad_scale(self) -> None:
+        """Back to 1 for the next gradients (no device work when it was never changed;
+        with ``capturable`` always, so a captured graph resets it)."""
+        if self.capturable or self._grad_scaled:
+            self._grad_scale.fill_(1.0)
+            self._grad_scaled = False
 
     def step_count(self):
         """Steps taken: an int, or a 0-dim device tensor with ``capturable``."""
@@ -256,7 +266,85 @@ class StepMixin:
             self._param_sync.sync_all()
 
     def _fused_adam(self, buckets, outs) -> None:
-        """One fused launch per (param group, dtype key) over the given buckets."""
+        """One fused launch per (param group, dtype key, kind) over the given buckets."""
+        planned = [b for b in buckets if self._plannable(b, outs[b] is None)]
+        if planned:
+            self._planned_adam(planned, outs)
+        if len(planned) < len(buckets):
+            done = set(planned)
+            self._general_adam([b for b in buckets if b not in done], outs)
+
+    def _plannable(self, b: int, direct: bool) -> bool:
+        """Bucket ``b``'s launches can be planned once: plain or remainder state, a
+        floating param-sync dtype, and a master that is not a per-step copy."""
+        st, key = self._shards[b], self._layouts[b].key
+        return (st.scaled is None and not is_byte_dtype(key[2])
+                and (direct or st.master is not None or st.remainder is not None))
+
+    def _planned_adam(self, buckets, outs) -> None:
+        grads = {b: self._grad.buckets[b].shard for b in buckets}
+        key = (tuple((b, outs[b] is None) for b in buckets),
+               tuple(bool(g["bias_correction"]) for g in self.param_groups))
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self._build_plan(buckets, outs)
+        found_inf = self._found_inf_for_kernels
+        for b in plan.needs_out:
+            st = self._shards[b]
+            if st.remainder is not None:
+                # The bf16 high halves come from the parameters and are updated in place,
+                # in the buffer that is then gathered.
+                if self._param_sync.buckets[b].persistent is None:  # else out *is* params
+                    self._copy_params_into(outs[b], self._layouts[b].shard_pieces(
+                        self.distributed_rank))
+            elif found_inf is not None:
+                outs[b].copy_(st.master)  # a skipped step (device flag) gathers old values
+        pieces = plan.pieces(grads, outs)
+        hyper = {}
+        for launch in plan.launches:
+            lists = launch.fill(pieces)
+            if launch.remainders:
+                lists.append(None)  # no separate output: the bf16 halves are updated in place
+            kw = hyper.get(launch.group)
+            if kw is None:
+                kw = hyper[launch.group] = self._hyper(launch.group)
+            if launch.kernel is None:
+                launch.kernel = kernels.adam_implementation(
+                    launch.remainders, lists, kw["bias_correction"])
+            launch.kernel(*lists, **kw)
+
+    def _build_plan(self, buckets, outs) -> StepPlan:
+        pb = PlanBuilder()
+        for b in buckets:
+            st, lay = self._shards[b], self._layouts[b]
+            m, v = st.exp_avg, st.exp_avg_sq
+            if outs[b] is None:  # direct: per fragment, into the parameters' own storage
+                views = self._param_views(b)
+                pb.bucket(b, [(s, e) for (s, e, _), _ in views], lay.shard_size, out=False)
+                for j, ((s, e, gi), view) in enumerate(views):
+                    if st.remainder is not None:
+                        pb.add((gi, lay.key, True), True, gi, (
+                            view, st.remainder[s:e], (b, GRAD, j), m[s:e], v[s:e]))
+                    else:
+                        master = view if st.master is None else st.master[s:e]
+                        pb.add((gi, lay.key, False), False, gi, (
+                            master, (b, GRAD, j), m[s:e], v[s:e], view))
+                continue
+            pb.bucket(b, [(lo, hi) for lo, hi, _ in st.group_ranges], lay.shard_size,
+                      out=True)
+            for j, (lo, hi, gi) in enumerate(st.group_ranges):
+                if st.remainder is not None:
+                    pb.add((gi, lay.key, True), True, gi, (
+                        (b, OUT, j), st.remainder[lo:hi], (b, GRAD, j), m[lo:hi], v[lo:hi]))
+                else:
+                    pb.add((gi, lay.key, False), False, gi, (
+                        st.master[lo:hi], (b, GRAD, j), m[lo:hi], v[lo:hi], (b, OUT, j)))
+        return pb.finish()
+
+    def _general_adam(self, buckets, outs) -> None:
+        """The buckets a plan does not cover (scaled states, byte-level param sync, a
+        transient master): argument lists made for this step."""
         plain: dict[tuple, tuple[list, ...]] = {}
         with_rem: dict[tuple, tuple[list, ...]] = {}
         byte_outs, rescale = [], []
@@ -319,14 +407,27 @@ class StepMixin:
 
     def _writes_params(self, b: int) -> bool:
         """The step writes bucket ``b``'s parameters in place: one rank holds the whole
-        bucket, the parameters have the param-sync dtype (or are the bf16 halves of
-        remainders), and the state is not scaled."""
+        bucket, the state is not scaled, and the value the parameters would receive
+        through the sync is the kernel's output cast to their dtype (the param-sync
+        dtype is theirs, or fp32, the kernel's own precision, or they are the bf16
+        halves of remainders)."""
+        cache = self.__dict__.setdefault("_writes_params_cache", {})
+        if b not in cache:
+            cache[b] = self._writes_params_uncached(b)
+        return cache[b]
+
+    def _writes_params_uncached(self, b: int) -> bool:
         if self.distributed_size != 1 or self._shards[b].scaled is not None:
             return False
         if self._param_sync.buckets[b].persistent is not None:
             return False  # the shard buffer already is the parameters
-        key = self._layouts[b].key
-        return all(self._params[f.param].dtype == key[2] for f in self._layouts[b].fragments)
+        sync = self._layouts[b].key[2]
+        if is_byte_dtype(sync):
+            return False  # the parameters receive the values' top bytes only
+        return all(self._params[f.param].dtype == sync
+                   or (sync == torch.float32
+                       and self._params[f.param].dtype in (torch.float16, torch.bfloat16))
+                   for f in self._layouts[b].fragments)
 
     def _param_views(self, b: int) -> list:
         """``((shard_start, shard_end, group), flat param slice)`` per fragment of bucket
@@ -346,7 +447,8 @@ class StepMixin:
                     weight_decay=group["weight_decay"],
                     step=self._step_t if self.capturable else self._steps,
                     adam_w_mode=self.adam_w_mode, bias_correction=bool(group["bias_correction"]),
-                    grad_scale=self._grad_scale, found_inf=self._found_inf_for_kernels)
+                    grad_scale=self._grad_scale if self.capturable or self._grad_scaled
+                    else None, found_inf=self._found_inf_for_kernels)
 
 
 def tensor_parallel_rank(model_parallel_group) -> int:

@@ -1,0 +1,82 @@
+"""Launch configuration sweep of the fused Adam kernel on the real step's lists.
+
+    python bench/sweep_launch.py [--only 2,4] [--reps 20]
+
+For the chosen ``bench/bench_step.py`` setups (default: the bf16 default mode and
+remainders), times ``step()`` replayed as a CUDA graph (no host time in the figure)
+for each (threads, blocks per SM, chunk elements) and prints the table, fastest
+first. The kernels' defaults live in ``csrc/multi_tensor_apply_config.h``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402
+
+from mpzero.kernels import cuda as kcuda  # noqa: E402
+from mpzero.optimizers import DistributedFusedAdam  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", default="256,512")
+    ap.add_argument("--blocks", default="0,1,2")
+    ap.add_argument("--chunks", default="8192,16384,32768,65536")
+    args = ap.parse_args()
+    args.device = torch.device("cuda", torch.cuda.current_device())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29535")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=args.device)
+    bf16 = torch.bfloat16
+    modes = {
+        "default": dict(grad_sync_dtype=bf16, param_sync_dtype=bf16),
+        "remainders": dict(grad_sync_dtype=bf16, param_sync_dtype=bf16, store_params=False,
+                           store_param_remainders=True),
+    }
+    base = kcuda.get_launch_config()
+    rows = []
+    for mode, kw in modes.items():
+        def make(ps, m, kw=kw):
+            return DistributedFusedAdam(ps, lr=1e-4, weight_decay=0.1, capturable=True,
+                                        overlap_grad_sync=False, **kw)
+        for threads, blocks, chunk in itertools.product(
+                *(map(int, a.split(",")) for a in (args.threads, args.blocks, args.chunks))):
+            kcuda.set_launch_config(threads, blocks, chunk)
+            _p, _o, backward, replay = bench_step.prepare(args, bf16, make, graph=True)
+            times = []
+            for _ in range(args.reps):
+                backward()
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            rows.append((mode, threads, blocks, chunk, statistics.median(times)))
+            print(f"{mode:<11} threads {threads:>4} blocks/SM {blocks} chunk {chunk:>6}: "
+                  f"{rows[-1][-1]:.3f} ms", flush=True)
+            del _p, _o, backward, replay
+            torch.cuda.empty_cache()
+        kcuda.set_launch_config(*base)
+    print("\nfastest first:")
+    for r in sorted(rows, key=lambda r: (r[0], r[-1])):
+        print(f"| {r[0]:<11} | {r[1]:>4} | {r[2]} | {r[3]:>6} | {r[4]:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

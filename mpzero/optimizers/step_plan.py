@@ -1,0 +1,131 @@
+"""The fused Adam launches of one step phase, worked out once.
+
+A phase (a set of buckets stepped together) launches the same kernels on the same
+state tensors every step: slices of the master, moment and remainder shards and,
+where the step writes the parameters in place, the parameters' own flat slices.
+Only the reduced gradient shards and the shard-sized output buffers are new tensors
+each step. A :class:`StepPlan` keeps the static argument lists and, per bucket, the
+split sizes that cut the new tensors into the slices the lists need: one ``split``
+per bucket and step instead of a Python slice per fragment and list, and the
+kernel implementation chosen once instead of dtype/device checks per call.
+
+The state tensors are never replaced (loading copies into them) and the
+parameters' storage does not move after the layout is made, so a plan stays valid
+for the optimizer's lifetime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+GRAD, OUT = "grad", "out"  # per-step tensors of a bucket
+
+
+def split_sizes(ranges: Sequence[tuple[int, int]], total: int) -> tuple[list[int], list[int]]:
+    """Sizes that ``split`` a length-``total`` tensor into pieces containing each of the
+    sorted, disjoint ``ranges`` (gaps become pieces of their own), and the index of
+    each range's piece."""
+    sizes, index, pos = [], [], 0
+    for s, e in ranges:
+        if s < pos:
+            raise ValueError(f"ranges overlap or are unsorted at {s} < {pos}")
+        if s > pos:
+            sizes.append(s - pos)
+        index.append(len(sizes))
+        sizes.append(e - s)
+        pos = e
+    if pos < total:
+        sizes.append(total - pos)
+    return sizes, index
+
+
+@dataclass
+class Cutter:
+    """Cuts a bucket's per-step shard tensor into the slices of ``ranges``."""
+
+    ranges: list[tuple[int, int]]
+    total: int
+    sizes: list[int] = field(init=False)
+    index: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sizes, self.index = split_sizes(self.ranges, self.total)
+
+    def __call__(self, t: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.sizes) == 1:
+            return [t]
+        pieces = t.split(self.sizes)
+        return [pieces[k] for k in self.index]
+
+
+@dataclass
+class Launch:
+    """One kernel call: argument lists with ``None`` where a per-step slice goes.
+
+    ``slots[i]`` is ``(position in lists, entry, bucket, GRAD|OUT, range index)`` for
+    each per-step entry."""
+
+    remainders: bool
+    group: int
+    lists: list[list]
+    slots: list[tuple[int, int, int, str, int]]
+    kernel: Callable | None = None
+
+    def fill(self, pieces: dict) -> list[list]:
+        lists = [list(lst) for lst in self.lists]
+        for pos, entry, b, which, j in self.slots:
+            lists[pos][entry] = pieces[b, which][j]
+        return lists
+
+
+@dataclass
+class StepPlan:
+    """The launches of one phase and the cutters of its buckets."""
+
+    launches: list[Launch]
+    cutters: dict[int, Cutter]  # bucket -> how its gradient / output shard is cut
+    needs_out: set[int]  # buckets whose shard-sized output buffer is written
+
+    def pieces(self, grads: dict[int, torch.Tensor], outs: dict) -> dict:
+        """``(bucket, GRAD|OUT) -> slices`` of this step's gradient and output shards."""
+        got = {}
+        for b, cut in self.cutters.items():
+            got[b, GRAD] = cut(grads[b])
+            if b in self.needs_out:
+                got[b, OUT] = cut(outs[b])
+        return got
+
+
+class PlanBuilder:
+    """Collects kernel entries per (param group, bucket key, kind) into launches."""
+
+    def __init__(self) -> None:
+        self._launches: dict[tuple, Launch] = {}
+        self.cutters: dict[int, Cutter] = {}
+        self.needs_out: set[int] = set()
+
+    def bucket(self, b: int, ranges: list[tuple[int, int]], total: int, out: bool) -> None:
+        self.cutters[b] = Cutter(ranges, total)
+        if out:
+            self.needs_out.add(b)
+
+    def add(self, key: tuple, remainders: bool, group: int, entry: Sequence) -> None:
+        """``entry``: one tensor per list, or ``(bucket, GRAD|OUT, range index)`` for a
+        per-step slice."""
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = Launch(remainders, group,
+                                                  [[] for _ in entry], [])
+        n = len(launch.lists[0])
+        for pos, t in enumerate(entry):
+            if isinstance(t, tuple):
+                launch.slots.append((pos, n, *t))
+                launch.lists[pos].append(None)
+            else:
+                launch.lists[pos].append(t)
+
+    def finish(self) -> StepPlan:
+        return StepPlan(list(self._launches.values()), self.cutters, self.needs_out)
