@@ -194,3 +194,36 @@ def test_allocation_failure_names_nccl(fake_cuda, monkeypatch):
     with pytest.raises(RuntimeError, match="nccl_ub=True: NCCL user buffer allocation failed"):
         with pool.allocate():
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+
+def _incoming_buffers(micro):
+    """GradSync with nccl_ub's persistent reduce-scatter outputs (here plain CPU tensors in
+    place of the pool's) equals the plain pipeline bit for bit, with ``micro`` syncs per
+    step (gradient accumulation: the reduced shard must survive the next sync)."""
+    import torch.distributed as dist
+
+    from mpzero.optimizers import DistributedFusedAdam
+
+    from dfa_common import batches, loss_fn, make_model
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kw = dict(lr=1e-2, contiguous_grad_buffer=True, bucket_cap_mb=24 * 4 / 2**20)
+    model, ref = make_model(), make_model()
+    opt = DistributedFusedAdam(model.parameters(), **kw)
+    ref_opt = DistributedFusedAdam(ref.parameters(), **kw)
+    opt._ensure_layout()
+    for bucket in opt._grad.buckets:  # what _ensure_layout allocates from the pool
+        bucket.persistent_incoming = torch.empty(bucket.layout.shard_size, dtype=bucket.dtype)
+    data = batches(world, 3, micro)
+    for s in range(3):
+        for o, m in ((opt, model), (ref_opt, ref)):
+            o.zero_grad()
+            for x, y in data[s][rank]:
+                loss_fn(m, x, y).backward()
+            o.step()
+    return all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("size,micro", [(1, 1), (1, 2), (2, 3)])
+def test_persistent_incoming_matches_plain(world, size, micro):
+    assert all(world(size, _incoming_buffers, micro))

@@ -139,7 +139,7 @@ def _nccl_ub():
     """nccl_ub=True at world 1: the grad buffer and the reduce-scatter outputs lie in the
     pool's segments, which come from ncclMemAlloc (mpzero's allocator: its live bytes cover
     them) and are registered with the communicator (deregistration accepts the pool); four
-    steps equal nccl_ub=False bit for bit."""
+    steps, two of them accumulating over two syncs, equal nccl_ub=False bit for bit."""
     from mpzero.nccl_allocator import REGISTER_MEM_POOL, extension_allocator_info
     from mpzero.optimizers import DistributedFusedAdam
 
@@ -165,11 +165,12 @@ def _nccl_ub():
     if nccl_pool.source == "mpzero":
         info = extension_allocator_info()
         assert info["live_bytes"] >= sum(b - a for a, b in segments), (info, segments)
-    data = batches(1, 4, 1)
+    data = batches(1, 4, 2)
     for s in range(4):
         for o, m in ((opt, model), (ref_opt, ref)):
             o.zero_grad()
-            loss_fn(m, *data[s][0][0]).backward()
+            for x, y in data[s][0][: 1 + s % 2]:  # odd steps: two syncs (accumulation)
+                loss_fn(m, x, y).backward()
             o.step()
     torch.cuda.synchronize()
     for p, q in zip(model.parameters(), ref.parameters()):
