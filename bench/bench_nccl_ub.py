@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=100.0)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="run the False/True pair this often")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_nccl_ub.py needs a CUDA device (NCCL user buffers)")
@@ -88,7 +89,7 @@ def main() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group("nccl", device_id=args.device)
     rows = []
-    for nccl_ub in (False, True):
+    for nccl_ub in (False, True) * args.rounds:
         rows.append(run(args, nccl_ub))
         gc.collect()  # the run's model and optimizer go before the next one starts
         torch.cuda.empty_cache()
@@ -102,7 +103,7 @@ def main() -> None:
         for r in rows:
             print(f"| {r['name']:<14} | {r['sync']:>8.3f} | {r['step']:>8.3f} | "
                   f"{r['total']:>8.3f} |")
-        for r in rows:
+        for r in rows[:2]:
             print(f"{r['name']}: {r['how']}")
     dist.destroy_process_group()
 

@@ -84,8 +84,8 @@ def choose_allocator(backend, info=None, make=None) -> AllocatorChoice:
     if info is None:
         raise RuntimeError(
             f"nccl_ub=True: cannot allocate NCCL user buffers: {refusal}; and mpzero's own "
-            "allocator needs the CUDA extension mpzero._C (with nccl_allocator_info), which "
-            "is not built: reinstall with MPZERO_BUILD_CUDA=1")
+            "allocator needs the CUDA extension mpzero._C with nccl_allocator_info, which "
+            "is not built here (or older): reinstall with MPZERO_BUILD_CUDA=1")
     if not info["found"]:
         raise RuntimeError(
             f"nccl_ub=True: cannot allocate NCCL user buffers: {refusal}; and mpzero's own "
