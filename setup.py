@@ -87,6 +87,7 @@ def _extensions():
             "cxx": ["-O3", "-std=c++20"],
             "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
         },
+        extra_link_args=["-ldl"],  # nccl_allocator.cpp: dlopen/dlsym (libc itself on glibc>=2.34)
     )
 
     class TimedBuild(BuildExtension):

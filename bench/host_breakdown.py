@@ -26,6 +26,38 @@ def timed(fn, n=50, before=None):
     return statistics.median(ts) * 1e6
 
 
+def breakdown(args, cuda, name, dtype, mk, graph) -> None:
+    params, opt, backward, step = bench_step.prepare(args, dtype, mk, graph)
+
+    def bwd():
+        backward()
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"=== {name}")
+    print(f"step()              {timed(step, before=bwd):8.1f} us")
+    print(f"grad_sync()         {timed(opt.grad_sync, before=bwd):8.1f} us")
+    print(f"param_sync()        {timed(opt.param_sync):8.1f} us")
+    bwd()
+    opt.grad_sync()
+    plan = next(iter(opt._plans.values()))
+    grads = {b: opt._grad.buckets[b].shard for b in plan.cutters}
+    print(f"plan.pieces         {timed(lambda: plan.pieces(grads, {})):8.1f} us")
+    pieces = plan.pieces(grads, {})
+    for launch in plan.launches:
+        lists = launch.fill(pieces)
+        kw = opt._hyper(launch.group)
+        n = len(lists[0])
+        print(f"launch.fill ({n:3d})   {timed(lambda: launch.fill(pieces)):8.1f} us")  # noqa: B023
+        print(f"_hyper              {timed(lambda: opt._hyper(launch.group)):8.1f} us")  # noqa: B023
+        print(f"kernel call         {timed(lambda: launch.kernel(*lists, **kw)):8.1f} us")  # noqa: B023
+        if cuda:
+            from mpzero import _C
+            args_c = [list(x) for x in lists] + [1e-4, None, 0.9, 0.999, 1e-8, 0.1, 5, None,
+                                                 True, True, None, None]
+            print(f"_C.adam direct      {timed(lambda: _C.adam(*args_c)):8.1f} us")  # noqa: B023
+    print(f"no_grad ctx         {timed(lambda: torch.no_grad().__enter__()):8.1f} us")
+
+
 def main() -> None:
     class A:
         layers, hidden, warmup, only = 24, 4096, 3, sys.argv[1] if len(sys.argv) > 1 else "2"
@@ -35,37 +67,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29536")
     cuda = args.device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    for name, dtype, mk, graph in bench_step.setups(args):
-        params, opt, backward, step = bench_step.prepare(args, dtype, mk, graph)
-
-        def bwd():
-            backward()
-            if cuda:
-                torch.cuda.synchronize()
-        print(f"=== {name}")
-        print(f"step()              {timed(step, before=bwd):8.1f} us")
-        print(f"grad_sync()         {timed(opt.grad_sync, before=bwd):8.1f} us")
-        print(f"param_sync()        {timed(opt.param_sync):8.1f} us")
-        bwd()
-        opt.grad_sync()
-        plan = next(iter(opt._plans.values()))
-        buckets = list(plan.cutters)
-        grads = {b: opt._grad.buckets[b].shard for b in buckets}
-        print(f"plan.pieces         {timed(lambda: plan.pieces(grads, {})):8.1f} us")
-        pieces = plan.pieces(grads, {})
-        for launch in plan.launches:
-            print(f"launch.fill ({len(launch.lists[0])} t)  {timed(lambda: launch.fill(pieces)):8.1f} us")
-            lists = launch.fill(pieces)
-            kw = opt._hyper(launch.group)
-            print(f"_hyper              {timed(lambda: opt._hyper(launch.group)):8.1f} us")
-            print(f"kernel call         {timed(lambda: launch.kernel(*lists, **kw)):8.1f} us")
-            if cuda:
-                from mpzero import _C
-                args_c = [list(x) for x in lists] + [1e-4, None, 0.9, 0.999, 1e-8, 0.1, 5, None,
-                                                     True, True, None, None]
-                print(f"_C.adam direct      {timed(lambda: _C.adam(*args_c)):8.1f} us")
-        print(f"no_grad ctx         {timed(lambda: torch.no_grad().__enter__()):8.1f} us")
-        del params, opt
+    for setup in bench_step.setups(args):
+        breakdown(args, cuda, *setup)
     dist.destroy_process_group()
 
 

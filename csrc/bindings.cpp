@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "mpzero.h"
+#include "nccl_allocator.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
@@ -29,4 +30,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunk_balancing", &mpzero::set_chunk_balancing,
         "Elementwise kernels: balance chunks over the grid (default on)", py::arg("on"));
   m.def("chunk_balancing", &mpzero::chunk_balancing);
+  m.def(
+      "nccl_allocator_info",
+      [] {
+        const mpzero::NcclAllocatorInfo info = mpzero::nccl_allocator_info();
+        py::dict d;
+        d["library_path"] = info.library_path;
+        d["alloc"] = MPZERO_NCCL_ALLOC_NAME;
+        d["free"] = MPZERO_NCCL_FREE_NAME;
+        d["found"] = info.found;
+        d["nccl_library"] = info.nccl_library;
+        d["lookup"] = info.lookup;
+        d["nccl_version"] = info.nccl_version;
+        d["error"] = info.error;
+        d["live_allocations"] = info.live_allocations;
+        d["live_bytes"] = info.live_bytes;
+        return d;
+      },
+      "NCCL user-buffer allocator: this .so's path, the entry point names, and whether "
+      "ncclMemAlloc/ncclMemFree resolved (and from where)");
+  m.def("nccl_allocator_last_error", &mpzero::nccl_allocator_last_error,
+        "The last ncclMemAlloc/ncclMemFree failure ('' when none)", py::arg("clear") = true);
 }

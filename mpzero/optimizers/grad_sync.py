@@ -124,6 +124,8 @@ class GradBucket:
             self.launched_since_reset = True
             return
         if self.persistent_incoming is not None:
+            if self.shard_valid and self._shard is self.persistent_incoming:
+                self._shard = self._shard.clone()  # accumulating: keep what it holds
             self._incoming = self.persistent_incoming
         else:
             self._incoming = torch.empty(self.layout.shard_size, dtype=self.dtype,
@@ -143,9 +145,11 @@ class GradBucket:
             self._shard.add_(self._incoming)
         elif self._shard is not None and self.stable_shard:
             self._shard.copy_(self._incoming)  # keep the address (CUDA graphs)
-        elif self.persistent_incoming is not None:
-            self._shard = self._incoming.clone()
+        elif self.persistent_incoming is not None and self.stable_shard:
+            self._shard = self._incoming.clone()  # its own address, kept across steps
         else:
+            # nccl_ub: the pool's buffer itself until this bucket's next sync, which copies
+            # it first if it still holds gradients (accumulation).
             self._shard = self._incoming
         self.shard_valid = True
         if self.persistent is not None and self._shard is not self.persistent:

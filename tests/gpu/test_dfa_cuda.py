@@ -125,36 +125,58 @@ def _graph_captured_step():
     return True
 
 
+def _pool_segments(pool) -> list[tuple[int, int]]:
+    """(start, end) addresses of a MemPool's segments."""
+    if hasattr(pool, "snapshot"):
+        segments = pool.snapshot()
+    else:  # older torch: the whole snapshot, filtered by pool id
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)]
+    return [(s["address"], s["address"] + s["total_size"]) for s in segments]
+
+
 def _nccl_ub():
-    """nccl_ub=True: grad buffer and reduce-scatter outputs come from the registered pool."""
+    """nccl_ub=True at world 1: the grad buffer and the reduce-scatter outputs lie in the
+    pool's segments, which come from ncclMemAlloc (mpzero's allocator: its live bytes cover
+    them) and are registered with the communicator (deregistration accepts the pool); four
+    steps, two of them accumulating over two syncs, equal nccl_ub=False bit for bit."""
+    from mpzero.nccl_allocator import REGISTER_MEM_POOL, extension_allocator_info
     from mpzero.optimizers import DistributedFusedAdam
 
-    from dfa_common import ATOL, RTOL, batches, loss_fn, make_model
+    from dfa_common import batches, loss_fn, make_model
 
-    model = make_model()
-    ref = make_model()
-    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, nccl_ub=True,
-                               contiguous_grad_buffer=True, bucket_cap_mb=24 * 4 / 2**20)
+    kw = dict(lr=1e-2, contiguous_grad_buffer=True, bucket_cap_mb=24 * 4 / 2**20)
+    model, ref = make_model(), make_model()
+    opt = DistributedFusedAdam(model.parameters(), nccl_ub=True, **kw)
     try:
-        opt.init_params(list(model.parameters()))
         opt._ensure_layout()
-    except RuntimeError as e:  # a build without NCCL user buffers: the error must say so
-        assert "nccl_ub=True" in str(e) and "user buffers" in str(e), e
+    except RuntimeError as e:  # no NCCL user buffers here: the error must say why
+        assert "nccl_ub=True" in str(e) and "NCCL user buffers" in str(e), e
         return f"unsupported: {e}"
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
-    data = batches(1, 3, 1)
-    for s in range(3):
-        opt.zero_grad()
-        loss_fn(model, *data[s][0][0]).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        loss_fn(ref, *data[s][0][0]).backward()
-        ref_opt.step()
+    ref_opt = DistributedFusedAdam(ref.parameters(), nccl_ub=False, **kw)
+    nccl_pool = opt._nccl_pool
+    print(f"nccl_ub: {nccl_pool.describe()}")
+    segments = _pool_segments(nccl_pool.pool)
+    assert segments, "the pool has no segments"
+    tensors = list(opt._buffers[1].values()) + [b.persistent_incoming for b in opt._grad.buckets]
+    for t in tensors:
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert any(a <= start and end <= b for a, b in segments), (hex(start), segments)
+    if nccl_pool.source == "mpzero":
+        info = extension_allocator_info()
+        assert info["live_bytes"] >= sum(b - a for a, b in segments), (info, segments)
+    data = batches(1, 4, 2)
+    for s in range(4):
+        for o, m in ((opt, model), (ref_opt, ref)):
+            o.zero_grad()
+            for x, y in data[s][0][: 1 + s % 2]:  # odd steps: two syncs (accumulation)
+                loss_fn(m, x, y).backward()
+            o.step()
+    torch.cuda.synchronize()
     for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
-    assert opt._nccl_pool is not None and opt._nccl_pool._registered
-    if hasattr(opt._nccl_pool.pool, "snapshot"):
-        segments = opt._nccl_pool.pool.snapshot()
-        assert sum(seg["total_size"] for seg in segments) >= sum(
-            b.numel() * b.element_size() for b in opt._buffers[1].values())
+        assert torch.equal(p, q), (p - q).abs().max()
+    assert nccl_pool.registered
+    if nccl_pool.registration == REGISTER_MEM_POOL:
+        nccl_pool.close()  # torch refuses to deregister a pool it never registered
+        assert not nccl_pool.registered
     return True
