@@ -2,7 +2,14 @@
 # One device call, in priority order: build mpzero._C, run the GPU tests, time the kernels,
 # measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
-#   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt]   (no argument: all)
+#   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
+#   (no argument: build tests kernels memory gpt)
+#
+#   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
+#   ckpt:      1.3B GPT (24 x 2048, seq 2048): save after 2 iterations and resume, per
+#              --ckpt-format; the example's own "saved/loaded checkpoint ... in X s" lines + size
+#   recompute: examples/gpt/bench_options.py at the 1.3B shape, micro-batch 8 (peak memory and
+#              time of no recompute / selective / full)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -31,6 +38,21 @@ gpt() {  # gpt TAG OPTIMIZER: a GPT-2-small-shaped model, bf16, one GPU
     --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}" --log-file "$OUT/gpt-$1.jsonl"
 }
 
+ckpt() {  # ckpt FORMAT: save at iteration 2, then resume for one more iteration
+  local d=/tmp/mpzero-ckpt-$1 a
+  rm -rf "$d"
+  a=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+     --micro-batch-size 4 --global-batch-size 4 --bf16 --lr 1e-4 --log-interval 1
+     --eval-interval 1000 --eval-iters 1 --no-progress --ckpt-format "$1"
+     --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}")
+  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+    --train-iters 2 --save "$d" --save-interval 2
+  echo "checkpoint size ($1): $(du -sb "$d/iter_0000002" | cut -f1) bytes"
+  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+    --train-iters 3 --load "$d" --save "$d" --save-interval 100
+  rm -rf "$d"
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv \
   | tee "$OUT/nvidia-smi.txt"
 for s in $stages; do
@@ -44,6 +66,11 @@ for s in $stages; do
     memory) stage memory python3 bench/bench_memory.py --bf16 --json "$OUT/bench_memory.json" ;;
     gpt) stage gpt-dfa gpt dfa dfa
          stage gpt-adamw gpt adamw adamw ;;
+    step) stage step python3 bench/bench_step.py ;;
+    ckpt) stage ckpt-torch_dist ckpt torch_dist
+          stage ckpt-torch ckpt torch ;;
+    recompute) stage recompute python3 examples/gpt/bench_options.py --micro-batch 8 \
+                 --warmup 2 --iters 5 --variants default selective full ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
