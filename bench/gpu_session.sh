@@ -49,7 +49,7 @@ ckpt() {  # ckpt FORMAT: save at iteration 2, then resume for one more iteration
     --train-iters 2 --save "$d" --save-interval 2
   echo "checkpoint size ($1): $(du -sb "$d/iter_0000002" | cut -f1) bytes"
   torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
-    --train-iters 3 --load "$d" --save "$d" --save-interval 100
+    --train-iters 3 --load "$d"
   rm -rf "$d"
 }
 

@@ -303,6 +303,14 @@ def _verify_local(ckpt: Path, r: dict) -> str | None:
     return None
 
 
+def _collective_device() -> torch.device:
+    """Where a flag tensor for a collective of the default group must live (NCCL: the
+    current GPU; gloo: the CPU)."""
+    if _distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
     """The newest checkpoint of ``load_dir`` that verifies on EVERY rank (collective:
     every rank gets the same answer). Broken ones are reported with their path and
@@ -317,7 +325,7 @@ def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
     reasons = []
     for ckpt in candidates:
         why = _verify_local(ckpt, r)
-        ok = torch.tensor([0.0 if why else 1.0])
+        ok = torch.tensor([0.0 if why else 1.0], device=_collective_device())
         if _distributed():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if why:
