@@ -101,16 +101,8 @@ def adam(
     )
     if len(params) == 0:
         return
-    if cpu.supported(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction):
-        kw.pop("bias_correction")
-        cpu.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
-        return
-    if _on_cuda(params, grads, exp_avgs, exp_avg_sqs, params_out) and _cuda.adam_supported(
-        params, grads, exp_avgs, exp_avg_sqs, params_out
-    ):
-        _cuda.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
-    else:
-        reference.adam(params, grads, exp_avgs, exp_avg_sqs, params_out, **kw)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, params_out)
+    adam_implementation(False, lists, bias_correction)(*lists, **kw)
 
 
 def adam_remainders(
@@ -154,27 +146,27 @@ def adam_remainders(
     if len(params_bf16) == 0:
         return
     lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out)
-    if _on_cuda(*lists) and _cuda.adam_remainders_supported(*lists):
-        _cuda.adam_remainders(*lists, **kw)
-    else:
-        reference.adam_remainders(*lists, **kw)
+    adam_implementation(True, lists, bias_correction)(*lists, **kw)
+
+
+def _cpu_adam(*lists, bias_correction, **kw):
+    """:func:`cpu.adam` (torch's fused kernel applies bias correction always)."""
+    cpu.adam(*lists, **kw)
 
 
 def adam_implementation(remainders: bool, lists: Sequence[Sequence[torch.Tensor] | None],
                         bias_correction: bool):
-    """The function :func:`adam` (or, with ``remainders``, :func:`adam_remainders`) would
-    run for argument lists of these devices and dtypes, for callers that make the same
-    call every step: checked once, called with the same arguments (``lists`` positional,
-    the rest by keyword)."""
+    """The implementation :func:`adam` (or, with ``remainders``, :func:`adam_remainders`)
+    runs for argument lists of these devices and dtypes: the dispatch of both, and for
+    callers that make the same call every step, checked once. Called with the same
+    arguments (``lists`` positional, the rest by keyword)."""
     if remainders:
         if _on_cuda(*lists) and _cuda.adam_remainders_supported(*lists):
             return _cuda.adam_remainders
         return reference.adam_remainders
     params, grads, exp_avgs, exp_avg_sqs, params_out = lists
     if cpu.supported(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction):
-        def _cpu(*args, bias_correction, **kw):
-            cpu.adam(*args, **kw)
-        return _cpu
+        return _cpu_adam
     if _on_cuda(*lists) and _cuda.adam_supported(*lists):
         return _cuda.adam
     return reference.adam

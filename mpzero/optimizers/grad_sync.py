@@ -88,9 +88,9 @@ class GradBucket:
         """Start a new round of gradients: a zeroed buffer, or where the bucket buffer
         is the shard (one rank in both groups) the shard itself, accumulated in place."""
         self._assert_state(GradState.EMPTY, GradState.SYNCED)
-        if self.local_only and self._shard is not None and (
-                self.shard_valid or self._shard is self.persistent or self.stable_shard):
-            # Valid: the next micro-batch adds to it; else it was zeroed at reset.
+        if self.local_only and self._shard is not None:
+            # Valid: the next micro-batch adds to it; else (kept across resets) it was
+            # zeroed at reset.
             self.buffer = self._shard
         elif self.persistent is not None:
             # Zeroed when its last round finished syncing (or at reset), not here: what

@@ -344,43 +344,18 @@ class StepMixin:
 
     def _general_adam(self, buckets, outs) -> None:
         """The buckets a plan does not cover (scaled states, byte-level param sync, a
-        transient master): argument lists made for this step."""
+        transient master): argument lists made for this step. Direct and remainder
+        buckets are always planned (remainders need bf16 sync and no scaled states)."""
         plain: dict[tuple, tuple[list, ...]] = {}
-        with_rem: dict[tuple, tuple[list, ...]] = {}
         byte_outs, rescale = [], []
         for b in buckets:
             st, lay = self._shards[b], self._layouts[b]
             grad = self._grad.buckets[b].shard
             out = outs[b]
-            if out is None:  # direct: per fragment, into the parameters' own storage
-                for (s, e, gi), view in self._param_views(b):
-                    if st.remainder is not None:
-                        lists = with_rem.setdefault((gi, lay.key), ([], [], [], [], []))
-                        for lst, t in zip(lists, (view, st.remainder[s:e], grad[s:e],
-                                                  st.exp_avg[s:e], st.exp_avg_sq[s:e])):
-                            lst.append(t)
-                    else:
-                        master = view if st.master is None else st.master[s:e]
-                        lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
-                        for lst, t in zip(lists, (master, grad[s:e], st.exp_avg[s:e],
-                                                  st.exp_avg_sq[s:e], view)):
-                            lst.append(t)
-                continue
             if is_byte_dtype(lay.key[2]):  # the value in the param's dtype, then its top bytes
                 value = torch.empty(lay.shard_size, dtype=lay.key[3], device=self.device)
                 byte_outs.append((value, out))
                 out = value
-            if st.remainder is not None:
-                # The bf16 high halves come from the parameters and are updated in place,
-                # in the buffer that is then gathered.
-                if self._param_sync.buckets[b].persistent is None:  # else out *is* params
-                    self._copy_params_into(out, lay.shard_pieces(self.distributed_rank))
-                for lo, hi, gi in st.group_ranges:
-                    lists = with_rem.setdefault((gi, lay.key), ([], [], [], [], []))
-                    for lst, t in zip(lists, (out, st.remainder, grad, st.exp_avg,
-                                              st.exp_avg_sq)):
-                        lst.append(t[lo:hi])
-                continue
             if st.scaled is not None:  # fp32 working copies, rescaled after the update
                 master = st.scaled.unscaled("param")
                 exp_avg, exp_avg_sq = self._moments(b)
@@ -397,8 +372,6 @@ class StepMixin:
                     lst.append(t[lo:hi])
         for (gi, _), (p, g, m, v, out) in plain.items():
             kernels.adam(p, g, m, v, out, **self._hyper(gi))
-        for (gi, _), (hi, rem, g, m, v) in with_rem.items():
-            kernels.adam_remainders(hi, rem, g, m, v, None, **self._hyper(gi))
         for b, master, exp_avg, exp_avg_sq in rescale:
             self._shards[b].scaled.store("param", master)
             self._store_moments(b, exp_avg, exp_avg_sq)
