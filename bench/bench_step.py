@@ -160,22 +160,35 @@ def setups(args):
     return [r for i, r in enumerate(rows) if only is None or str(i) in only]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup_args(description: str) -> argparse.ArgumentParser:
+    """The options every step tool shares: the model and which setups run."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated row indices")
-    args = ap.parse_args()
-    args.device = (torch.device("cpu") if args.cpu or not torch.cuda.is_available()
+    ap.add_argument("--only", default="", help="comma-separated row indices of the setups")
+    return ap
+
+
+def init_world(args, port: int) -> None:
+    """``args.device`` (CUDA unless ``--cpu`` or none is present) and a one-rank process
+    group on it (NCCL on CUDA, gloo on CPU)."""
+    cpu = getattr(args, "cpu", False) or not torch.cuda.is_available()
+    args.device = (torch.device("cpu") if cpu
                    else torch.device("cuda", torch.cuda.current_device()))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl" if args.device.type == "cuda" else "gloo", rank=0,
-                            world_size=1, device_id=args.device if args.device.type == "cuda"
-                            else None)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    cuda = args.device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                            device_id=args.device if cuda else None)
+
+
+def main() -> None:
+    ap = setup_args(__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    init_world(args, 29533)
     print(f"torch {torch.__version__}, {args.device}, {args.layers} x Linear({args.hidden}, "
           f"{args.hidden}), median of {args.reps} steps")
     results = []

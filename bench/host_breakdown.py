@@ -1,5 +1,8 @@
-"""Host time of the pieces of one ``step()`` (default mode, world 1): where the time
-before the kernel launch goes. Diagnostic; prints microseconds per call (median of 50)."""
+"""Host time of the pieces of one ``step()`` (world 1): where the time before the kernel
+launch goes. Diagnostic; prints microseconds per call (median of 50).
+
+    python bench/host_breakdown.py [--only 2]    (setup indices of bench/bench_step.py)
+"""
 
 from __future__ import annotations
 
@@ -59,14 +62,11 @@ def breakdown(args, cuda, name, dtype, mk, graph) -> None:
 
 
 def main() -> None:
-    class A:
-        layers, hidden, warmup, only = 24, 4096, 3, sys.argv[1] if len(sys.argv) > 1 else "2"
-    args = A()
-    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29536")
+    ap = bench_step.setup_args(__doc__.splitlines()[0])
+    ap.set_defaults(only="2")
+    args = ap.parse_args()
+    bench_step.init_world(args, 29536)
     cuda = args.device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     for setup in bench_step.setups(args):
         breakdown(args, cuda, *setup)
     dist.destroy_process_group()

@@ -11,7 +11,6 @@ come with the profilers' own cost.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import io
@@ -24,6 +23,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
+
+
+def _annotation(ev) -> bool:
+    """A user range mirrored on the device timeline (our STEP/BACKWARD ranges, torch's
+    ``Optimizer.step#...``), not a kernel."""
+    return bool(getattr(ev, "is_user_annotation", False)) or ev.name in ("STEP", "BACKWARD") \
+        or ev.name.startswith("Optimizer.step#")
 
 
 def kernel_table(events, steps: int, top: int) -> str:
@@ -56,22 +62,12 @@ def host_table(step, backward, sync, steps: int, top: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = bench_step.setup_args(__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--only", default="", help="comma-separated row indices of bench_step")
     args = ap.parse_args()
-    args.device = (torch.device("cpu") if args.cpu or not torch.cuda.is_available()
-                   else torch.device("cuda", torch.cuda.current_device()))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
+    bench_step.init_world(args, 29534)
     cuda = args.device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                            device_id=args.device if cuda else None)
 
     def sync():
         if cuda:
@@ -99,6 +95,7 @@ def main() -> None:
                    for i, (t, n) in enumerate(marks) if n == "STEP"]
         kernels = [e for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not _annotation(e)
                    and any(a <= e.time_range.start < b for a, b in windows)]
 
         if cuda:

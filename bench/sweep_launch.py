@@ -1,16 +1,15 @@
 """Launch configuration sweep of the fused Adam kernel on the real step's lists.
 
-    python bench/sweep_launch.py [--only 2,4] [--reps 20]
+    python bench/sweep_launch.py [--reps 20] [--threads 256,512 --blocks 0,1,2 --chunks ...]
 
-For the chosen ``bench/bench_step.py`` setups (default: the bf16 default mode and
-remainders), times ``step()`` replayed as a CUDA graph (no host time in the figure)
-for each (threads, blocks per SM, chunk elements) and prints the table, fastest
-first. The kernels' defaults live in ``csrc/multi_tensor_apply_config.h``.
+For the bf16 default mode and remainders of ``bench/bench_step.py``, times ``step()``
+replayed as a CUDA graph (no host time in the figure) for each (threads, blocks per SM,
+chunk elements) and prints the table, fastest first. The kernels' defaults live in
+``csrc/multi_tensor_apply_config.h``.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import statistics
@@ -27,19 +26,15 @@ from mpzero.optimizers import DistributedFusedAdam  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=4096)
+    ap = bench_step.setup_args(__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", default="256,512")
     ap.add_argument("--blocks", default="0,1,2")
     ap.add_argument("--chunks", default="8192,16384,32768,65536")
     args = ap.parse_args()
-    args.device = torch.device("cuda", torch.cuda.current_device())
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29535")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=args.device)
+    bench_step.init_world(args, 29535)
+    if args.device.type != "cuda":
+        raise SystemExit("sweep_launch.py times the CUDA kernels: it needs a GPU")
     bf16 = torch.bfloat16
     modes = {
         "default": dict(grad_sync_dtype=bf16, param_sync_dtype=bf16),
