@@ -6,7 +6,11 @@ For each size (millions of fp32 parameters, split into 8 tensors) the gradients 
 produced by a backward pass outside the timed region; the table shows the median
 ``step()`` time and the effective bandwidth (28 bytes/element: p, g, m, v read,
 p, m, v written). The copy row is the ceiling: ``dst.copy_(src)`` over the same
-bytes moved (read + write counted).
+bytes moved (read + write counted). The ``scaled`` rows step with a gradient scale of
+1/2 (a GradScaler's unscale or a clipping coefficient), set up outside the timed region:
+torch's ``grad_scale`` attribute (as GradScaler sets it; the fused kernel unscales the
+gradients in place) and DFA's ``unscale_grads(0.5)`` (folded into its grad scale; the
+synced gradients stay unchanged).
 """
 
 from __future__ import annotations
@@ -49,17 +53,27 @@ def bench(n: int, reps: int) -> list[tuple[str, float, float]]:
         grads = grads or _grads(params)
         sum((p * g).sum() for p, g in zip(params, grads)).backward()
 
-    for name, make in [
-        ("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
-        ("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
-        ("mpzero DFA (world 1)", lambda ps: DistributedFusedAdam(ps, lr=1e-3)),
+    def torch_scaled(opt):
+        opt.grad_scale = torch.tensor(2.0)  # torch divides by it
+        opt.found_inf = torch.tensor(0.0)
+
+    for name, make, scale in [
+        ("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), None),
+        ("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), None),
+        ("mpzero DFA (world 1)", lambda ps: DistributedFusedAdam(ps, lr=1e-3), None),
+        ("torch AdamW fused, scaled", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+         torch_scaled),
+        ("mpzero DFA, scaled", lambda ps: DistributedFusedAdam(ps, lr=1e-3),
+         lambda opt: opt.unscale_grads(0.5)),
     ]:
         params = _params(n)
         opt = make(params)
 
-        def prepare(params=params, opt=opt):
+        def prepare(params=params, opt=opt, scale=scale):
             opt.zero_grad()
             backward(params)
+            if scale is not None:
+                scale(opt)
 
         t = _time(opt.step, prepare, reps)
         rows.append((name, t, 28 * n / t / 1e9))
@@ -79,11 +93,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, median of {args.reps}")
-    print(f"| {'params':>7} | {'optimizer':<22} | {'step ms':>9} | {'GB/s':>6} |")
-    print(f"|{'-' * 9}|{'-' * 24}|{'-' * 11}|{'-' * 8}|")
+    print(f"| {'params':>7} | {'optimizer':<25} | {'step ms':>9} | {'GB/s':>6} |")
+    print(f"|{'-' * 9}|{'-' * 27}|{'-' * 11}|{'-' * 8}|")
     for m in (int(s) for s in args.sizes.split(",")):
         for name, t, gbs in bench(m * 2**20, args.reps):
-            print(f"| {m:>6}M | {name:<22} | {t * 1e3:>9.1f} | {gbs:>6.1f} |", flush=True)
+            print(f"| {m:>6}M | {name:<25} | {t * 1e3:>9.1f} | {gbs:>6.1f} |", flush=True)
 
 
 if __name__ == "__main__":
