@@ -28,11 +28,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 22
-"""Elements per kernel call with a grad scale (at most 16 MiB of scratch per thread).
-Measured at 64M parameters, 2 threads: 2**20 to 2**24 within 15% of each other on an
-idle machine (smaller is faster: the copy stays in cache), while on a loaded one every
-call's parallel region waits for both threads, so fewer, larger chunks do better."""
+CHUNK_ELEMENTS = 1 << 20
+"""Elements per kernel call with a grad scale (4 MiB of scratch per thread). Measured on
+the 2-core machine, 2 threads, idle: 2**20 was fastest (the scratch stays in cache; at
+64M parameters 51 ms vs 57 ms at 2**21, 62 ms at 2**22, 135 ms with a clone per step).
+On an oversubscribed machine fewer, larger chunks do better (each call's parallel
+region waits for both threads to be scheduled): raise it there."""
 
 _ALIGN = 64
 """Chunk boundaries inside a tensor: multiples of this many elements (>= any SIMD width
