@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mpzero import kernels
-from mpzero.kernels import reference
+from mpzero.kernels import cpu, reference
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
 torch.set_num_threads(1)
@@ -284,3 +284,42 @@ def test_reference_is_what_dispatch_uses_on_cpu():
     kernels.adam(p1, g, z[0], z[1], lr=1e-3, step=1, weight_decay=0.0, **HP)
     reference.adam(p2, g, z[2], z[3], lr=1e-3, step=1, weight_decay=0.0, **HP)
     assert torch.equal(p1[0], p2[0])
+
+
+@pytest.mark.parametrize("chunk", [64, 200, 1 << 22])
+@pytest.mark.parametrize("scale", [None, 1.0, 0.37])
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_cpu_path_chunks_equal_one_torch_call(monkeypatch, chunk, scale, adam_w_mode):
+    """The CPU path (chunked with a grad scale) gives bitwise what one call of torch's
+    fused kernel over whole tensors gives, leaves the gradients unchanged and fills
+    params_out; chunks split tensors and pack several into one call."""
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", chunk)
+    sizes = [1, 7, 64, 1000, 4099, 0, 130]
+    p, g = _make(sizes, seed=30), _make(sizes, seed=31)
+    m = [t * 0.1 for t in _make(sizes, seed=32)]
+    v = [t * t * 0.01 for t in _make(sizes, seed=33)]
+    want_p, want_m, want_v = ([t.clone() for t in lst] for lst in (p, m, v))
+    g_before = [t.clone() for t in g]
+    out = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in sizes]
+    grad_scale = None if scale is None else torch.tensor(scale)
+    kernels.adam(p, g, m, v, out, lr=1e-2, weight_decay=0.1, step=3, adam_w_mode=adam_w_mode,
+                 grad_scale=grad_scale, found_inf=torch.tensor(0.0), **HP)
+    inv = None if scale in (None, 1.0) else grad_scale.reciprocal()
+    fn = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    fn(want_p, [t.clone() for t in g], want_m, want_v, [], [torch.tensor(3.0)] * len(sizes),
+       lr=float(torch.tensor(1e-2)), weight_decay=0.1, amsgrad=False, maximize=False,
+       grad_scale=inv, **HP)
+    for got, want in zip(p + m + v + g + out, want_p + want_m + want_v + g_before +
+                         [t.bfloat16() for t in want_p]):
+        assert torch.equal(got, want)
+
+
+def test_cpu_path_found_inf_not_one_and_scratch_reused():
+    """Any nonzero found_inf skips (torch's kernel only skips on exactly 1.0); the
+    grad-scale scratch buffer is kept between calls (no fresh allocation per step)."""
+    p = _make([100], seed=34)
+    before = p[0].clone()
+    kernels.adam(p, _make([100], seed=35), [torch.zeros(100)], [torch.zeros(100)], lr=1e-2,
+                 step=1, weight_decay=0.0, found_inf=torch.tensor(2.0), **HP)
+    assert torch.equal(p[0], before)
+    assert cpu._scratch(1000).data_ptr() == cpu._scratch(10).data_ptr()
