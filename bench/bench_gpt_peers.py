@@ -20,8 +20,9 @@ The table: iteration time (median of ``--iters`` after ``--warmup``), tokens/s
 6 x matmul parameters + 12 x layers x seq x hidden, over the device's dense bf16
 peak, ``--peak-tflops``; 989 for H100/H200), peak memory
 (``torch.cuda.max_memory_allocated``, max over ranks; peak RSS on CPU), and the
-step phase (clip + wait for the gradient reductions + step + parameter
-all-gather, timed with CUDA events) in ms and as a share of the iteration.
+step phase (clip + wait for the gradient reductions + step, timed with CUDA
+events; DFA's parameter all-gather is in the next forward with the default
+``--overlap-param-sync``, FSDP2's always) in ms and as a share of the iteration.
 ``--json PATH`` writes every row (with the per-iteration times).
 """
 

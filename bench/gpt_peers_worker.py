@@ -22,8 +22,10 @@ gradient sync: ``no_sync`` / ``set_requires_gradient_sync(False)`` / the example
 ``optim.no_sync``), clipping to 1.0, the step, ``zero_grad``. Timed per iteration:
 the whole iteration and its *step phase* — from the end of the last backward to
 the end of ``step()``, so clipping, the wait for outstanding gradient
-reductions (DFA, FSDP2) and the step with its parameter all-gather — with CUDA
-events on GPUs, ``perf_counter`` on CPU. Rank 0 writes a JSON result file.
+reductions (DFA, FSDP2) and the step (with ZeRO-1's parameter broadcast, and
+DFA's all-gather unless ``--overlap-param-sync`` defers it to the next forward)
+— with CUDA events on GPUs, ``perf_counter`` on CPU. Rank 0 writes a JSON
+result file.
 """
 
 from __future__ import annotations

@@ -41,7 +41,3 @@ def compile_model(model: torch.nn.Module, mode: str = "block", **options) -> tor
         block.forward = torch.compile(block.forward, **options)
     return model
 
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether :func:`compile_model` compiled something in ``model``."""
-    return any("forward" in vars(m) for m in model.modules())
