@@ -35,6 +35,20 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
                 f"--micro-batch-size ({args.micro_batch_size})")
 
+    if args.bf16 and args.autocast_bf16:
+        p.error("--bf16 and --autocast-bf16 cannot be combined: --bf16 makes the parameters "
+                "bf16 (fp32 masters in the optimizer), --autocast-bf16 keeps fp32 parameters "
+                "under bf16 autocast; pick one")
+    if args.store_param_remainders and not args.bf16:
+        p.error("--store-param-remainders needs --bf16 (it stores the fp32 masters of bf16 "
+                "parameters as the parameter plus an int16 remainder)")
+    if args.store_param_remainders and args.optimizer != "dfa":
+        p.error(f"--store-param-remainders needs --optimizer dfa, got --optimizer "
+                f"{args.optimizer}")
+    if args.store_param_remainders and args.param_sync_dtype == "fp32":
+        p.error("--store-param-remainders needs bf16 parameter gathers, got "
+                "--param-sync-dtype fp32")
+
     def warn(msg: str) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"warning: {msg}", file=sys.stderr, flush=True)
@@ -50,6 +64,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.load is None and (args.load_iteration is not None or args.no_load_optim
                               or args.no_load_rng):
         warn("--load-iteration/--no-load-optim/--no-load-rng have no effect without --load")
+    if args.compile_mode is not None and not args.compile:
+        warn(f"--compile-mode {args.compile_mode} has no effect without --compile")
+    if args.param_sync_dtype is not None and args.optimizer != "dfa":
+        warn(f"--param-sync-dtype has no effect with --optimizer {args.optimizer} (the "
+             "parameters are not gathered)")
     if args.eval_interval and args.eval_interval > args.train_iters:
         warn(f"--eval-interval ({args.eval_interval}) > --train-iters ({args.train_iters}): "
              "validation runs only at the end")

@@ -51,7 +51,7 @@ def peak_tflops(args, device: torch.device) -> float | None:
     """``--peak-tflops``, or the bf16 peak of a known GPU; None when unknown (no MFU)."""
     if args.peak_tflops is not None:
         return args.peak_tflops
-    if device.type != "cuda" or not args.bf16:
+    if device.type != "cuda" or not (args.bf16 or getattr(args, "autocast_bf16", False)):
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from mpzero import parallel_state
 
+import optim
 from model import GPT, GPTConfig
 
 TAG_FORWARD, TAG_BACKWARD = 1, 2
@@ -153,8 +154,9 @@ def tie_embedding(model: GPT, optimizer) -> TiedEmbedding | None:
 class _P2P:
     """Point-to-point messages of one schedule run with the neighbouring stages."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
-        self.shape, self.device = shape, device
+    def __init__(self, shape: tuple[int, ...], device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.shape, self.device, self.dtype = shape, device, dtype
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.group = parallel_state.get_pipeline_model_parallel_group()
@@ -169,7 +171,7 @@ class _P2P:
             _WARMED_UP.add(self.group)
 
     def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def _run(self, sends: list[tuple[torch.Tensor, int, int]],
              recvs: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -196,9 +198,11 @@ class _P2P:
         """One step of messages; the first and last stage skip what they have no peer for."""
         sends, recvs = [], []
         if send_forward is not None and not self.last:
-            sends.append((send_forward.detach().float().contiguous(), self.next, TAG_FORWARD))
+            sends.append((send_forward.detach().to(self.dtype).contiguous(), self.next,
+                          TAG_FORWARD))
         if send_backward is not None and not self.first:
-            sends.append((send_backward.detach().float().contiguous(), self.prev, TAG_BACKWARD))
+            sends.append((send_backward.detach().to(self.dtype).contiguous(), self.prev,
+                          TAG_BACKWARD))
         if recv_forward and not self.first:
             recvs.append((self.prev, TAG_FORWARD))
         if recv_backward and not self.last:
@@ -221,13 +225,19 @@ def _hidden_shape(model: GPT, batches) -> tuple[int, ...]:
     return (micro, seq, model.cfg.hidden_size)
 
 
+def _activation_dtype(model: GPT) -> torch.dtype:
+    """What stages send: the residual stream's dtype, the parameters' (fp32 also under
+    autocast, whose matmul outputs are added to the fp32 stream; bf16 with --bf16)."""
+    return next(model.parameters()).dtype
+
+
 def forward_backward_1f1b(model: GPT, optimizer, batches: list, autocast=contextlib.nullcontext
                           ) -> list[torch.Tensor]:
     """Forward and backward of ``batches`` (``[(ids, targets)]``, every stage gets all)
     through the pipeline with 1F1B; the gradients of ``mean(losses)`` accumulate through
     the optimizer's hooks (``no_sync()`` for all but the last backward). Returns the
     detached losses on the last stage, ``[]`` elsewhere."""
-    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device)
+    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device, _activation_dtype(model))
     M = len(batches)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     warmup = min(pp - parallel_state.get_pipeline_model_parallel_rank() - 1, M)
@@ -251,7 +261,7 @@ def forward_backward_1f1b(model: GPT, optimizer, batches: list, autocast=context
         nonlocal n_backward
         x, y = in_flight.popleft()
         n_backward += 1
-        with contextlib.nullcontext() if n_backward == M else optimizer.no_sync():
+        with contextlib.nullcontext() if n_backward == M else optim.no_sync(optimizer):
             if p2p.last:
                 (y / M).backward()
             else:
@@ -299,7 +309,7 @@ def train_step(model: GPT, optimizer, batches: list, tied: TiedEmbedding | None,
 @torch.no_grad()
 def forward_only(model: GPT, batches: list, autocast=contextlib.nullcontext) -> torch.Tensor:
     """Mean loss of ``batches`` through the pipeline (no backward), on every stage."""
-    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device)
+    p2p = _P2P(_hidden_shape(model, batches), batches[0][0].device, _activation_dtype(model))
     losses = []
     for ids, targets in batches:
         received = p2p.exchange(recv_forward=True)

@@ -46,10 +46,12 @@ from mpzero import tensor_parallel as tp  # noqa: E402
 
 import arg_checks  # noqa: E402
 import checkpointing  # noqa: E402
+import compiling  # noqa: E402
 import data  # noqa: E402
 import logging_utils  # noqa: E402
+import optim  # noqa: E402
+import precision  # noqa: E402
 from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
-from optim import build_optimizer  # noqa: E402
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
@@ -117,8 +119,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--optimizer", choices=["dfa", "adamw"], default="dfa",
                    help="dfa: DistributedFusedAdam (ZeRO-2); adamw: torch AdamW + all-reduce")
     g = p.add_argument_group("precision and device")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU; fp32 on CPU)")
-    g.add_argument("--grad-sync-dtype", choices=["fp32", "bf16"], default="fp32")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations; fp32 master weights in the optimizer")
+    g.add_argument("--autocast-bf16", action="store_true",
+                   help="fp32 parameters under bf16 autocast (GPU; fp32 on CPU)")
+    g.add_argument("--grad-sync-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the gradient reduction (and of DFA's accumulation buckets)")
+    g.add_argument("--param-sync-dtype", choices=["fp32", "bf16"], default=None,
+                   help="dtype of DFA's parameter all-gather (None: the parameters' dtype)")
+    g.add_argument("--store-param-remainders", action="store_true",
+                   help="with --bf16 and dfa: keep the fp32 masters as the bf16 parameter "
+                        "plus an int16 remainder (2 bytes per parameter instead of 4)")
     g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU rank")
     g.add_argument("--dist-timeout", type=float, default=600.0,
@@ -127,6 +138,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=True, help="skip the step when the loss or grad norm is not finite")
     g.add_argument("--max-consecutive-skipped-iters", type=int, default=10,
                    help="stop with an error after this many skipped steps in a row")
+    g = p.add_argument_group("compilation")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--compile-mode", choices=list(compiling.MODES), default=None,
+                   help="block: each transformer block (default with --compile); "
+                        "model: the whole forward")
+    g.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (aot_eager: no code generation, for checks)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default=None,
                    help="prepared data (data.py); prepared from the default corpus if empty")
@@ -324,7 +342,7 @@ def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=No
     losses = []
     for m, (x, y) in enumerate(batches):
         sync = m == len(batches) - 1
-        with (contextlib.nullcontext() if sync else optimizer.no_sync()):
+        with (contextlib.nullcontext() if sync else optim.no_sync(optimizer)):
             with autocast():
                 loss = model(x, y)
             if guard is not None:
@@ -377,14 +395,10 @@ def main(argv: list[str] | None = None) -> None:
                          f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
                          f"{dp})")
     grad_acc = args.global_batch_size // (args.micro_batch_size * dp)
-    if args.bf16 and device.type == "cpu" and rank == 0:
-        print("note: --bf16 autocast is for GPUs; computing in fp32 on CPU")
-    use_bf16 = args.bf16 and device.type == "cuda"
-
-    def autocast():
-        if use_bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    if args.autocast_bf16 and device.type == "cpu" and rank == 0:
+        print("note: --autocast-bf16 is for GPUs; computing in fp32 on CPU")
+    autocast = precision.autocast_factory(args, device)
+    precision_name = precision.describe(args, device)
 
     train_tokens, val_tokens, vocab_size = load_data(args)
     meta = {"vocab_size": vocab_size}
@@ -399,12 +413,19 @@ def main(argv: list[str] | None = None) -> None:
         model = pipeline.build_stage(cfg).to(device)
     else:
         model = GPT(cfg).to(device)
-    optimizer = build_optimizer(
+    precision.cast_parameters(model, precision.param_dtype(args))
+    if args.compile:
+        compiling.compile_model(model, args.compile_mode or "block",
+                                backend=args.compile_backend)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
+    optimizer = optim.build_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, device=device,
         overlap_grad_sync=args.overlap_grad_sync, overlap_param_sync=args.overlap_param_sync,
         bucket_cap_mb=args.bucket_cap_mb,
-        grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None)
+        grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None,
+        param_sync_dtype=dtypes[args.param_sync_dtype],
+        store_param_remainders=args.store_param_remainders)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)
@@ -422,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 print(f"no checkpoint in {args.load}: starting from scratch")
         else:
+            if args.no_load_optim and hasattr(optimizer, "reload_model_params"):
+                optimizer.reload_model_params()  # master weights from the loaded model
             iteration = manifest["iteration"]
             if manifest.get("data"):
                 sampler.load_state_dict(manifest["data"])
@@ -438,7 +461,9 @@ def main(argv: list[str] | None = None) -> None:
               f"distributed {parallel_state.get_distributed_optimizer_world_size()} x redundant "
               f"{parallel_state.get_redundant_optimizer_world_size()}; global batch "
               f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
-              f"{grad_acc}; {device.type}{' bf16' if use_bf16 else ' fp32'}", flush=True)
+              f"{grad_acc}; {device.type} {precision_name}"
+              f"{' compiled (' + (args.compile_mode or 'block') + ')' if args.compile else ''}",
+              flush=True)
 
     # Which node each rank runs on, so the log shows what the optimizer groups span.
     nodes: list = [None] * world
@@ -457,7 +482,9 @@ def main(argv: list[str] | None = None) -> None:
                "distributed_group_ranks": dist.get_process_group_ranks(
                    parallel_state.get_distributed_optimizer_group()),
                "nodes": nodes, "parameters": model.num_parameters(),
-               "flops_per_token": flops_tok, "device": device.type, "bf16": use_bf16})
+               "flops_per_token": flops_tok, "device": device.type,
+               "bf16": precision_name != "fp32", "precision": precision_name,
+               "compile": (args.compile_mode or "block") if args.compile else None})
     dp_group = parallel_state.get_data_parallel_group()
     interval_losses, interval_norms = [], []
     t_interval, iters_interval = time.perf_counter(), 0

@@ -6,6 +6,17 @@ all-reduce of ``[...]``-shaped tensors: the max logit (for a stable softmax), th
 target's logit (only the rank owning the id contributes) and the sum of
 ``exp(logit - max)``; label smoothing adds the sum of the logits. The gradient,
 ``softmax - target distribution``, is computed on the local shard alone.
+
+Memory: the logits (typically bf16, ``[B, T, V/tp]``, the largest activation of
+a GPT) are never upcast as a whole. The tokens are processed in chunks of about
+``chunk_elements`` logits; each chunk is upcast to fp32, and the gradient with
+respect to the logits is computed in the forward pass and stored in the logits'
+dtype (so the logits themselves can be freed as soon as the loss is known, and
+no fp32 softmax is kept for the backward pass). The backward pass only scales
+that stored gradient by the incoming per-token gradient. At TP=1 each chunk is
+read once (max, sums and gradient in one pass); with TP > 1 the global max and
+sums are needed before the gradient, so the chunks are read twice, with one
+all-reduce of the max and one of the sums in between, whatever the chunk count.
 """
 
 from __future__ import annotations
@@ -15,70 +26,115 @@ import torch.distributed as dist
 
 from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank, tp_world_size, vocab_range
 
+# fp32 scratch per chunk (elements); 2^25 fp32 = 128 MiB.
+DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+
+def _chunks(n_tokens: int, vocab: int, chunk_elements: int):
+    rows = max(1, chunk_elements // max(1, vocab))
+    for lo in range(0, n_tokens, rows):
+        yield slice(lo, min(n_tokens, lo + rows))
+
+
+def _adjust_to_gradient(p: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor,
+                        eps: float, vocab_size: int) -> torch.Tensor:
+    """``softmax -> softmax - target distribution`` in place (fp32), for one chunk."""
+    if eps > 0.0:
+        p.sub_(eps / vocab_size)
+    hit = inside.to(p.dtype).mul_(-(1.0 - eps)).unsqueeze(-1)
+    return p.scatter_add_(-1, local_target.unsqueeze(-1), hit)
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, group):
+    def forward(ctx, logits, target, label_smoothing, group, need_grad, chunk_elements):
         world = tp_world_size(group)
-        ctx.logits_dtype = logits.dtype
-        logits = logits.float()
-        logits_max = logits.amax(dim=-1)  # (...)
+        vl = logits.shape[-1]
+        flat = logits.reshape(-1, vl)  # a view for contiguous logits
+        n = flat.shape[0]
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
+        eps, vocab_size = label_smoothing, vl * world
+
+        start, end = vocab_range(vl, tp_rank(group))
+        tgt = target.reshape(-1)
+        inside = (tgt >= start) & (tgt < end)
+        local_target = (tgt.long() - start).masked_fill(~inside, 0)
+        grad = torch.empty_like(flat, memory_format=torch.contiguous_format) \
+            if need_grad else None
+        n_stats = 3 if eps > 0.0 else 2
+        stats = torch.empty(n, n_stats, dtype=acc, device=logits.device)  # predicted, [sum], Z
+
         if world > 1:
+            logits_max = flat.amax(dim=-1).to(acc)  # exact in any dtype
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)  # (..., V/tp), a fresh fp32 buffer
+        else:
+            logits_max = torch.empty(n, dtype=acc, device=logits.device)
 
-        start, end = vocab_range(shifted.shape[-1], tp_rank(group))
-        outside = (target < start) | (target >= end)
-        local_target = (target.long() - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        stats = [predicted.masked_fill(outside, 0.0)]
-        if label_smoothing > 0.0:
-            stats.append(shifted.sum(dim=-1))
-        exp = shifted.exp_()  # shifted is no longer needed
-        stats.append(exp.sum(dim=-1))
-        # One all-reduce for the sums that do not depend on each other.
-        stats = torch.stack(stats, dim=-1)  # (..., 2 or 3)
+        for rows in _chunks(n, vl, chunk_elements):
+            x = flat[rows]
+            if world == 1:
+                logits_max[rows] = x.amax(dim=-1).to(acc)
+            m = logits_max[rows]
+            shifted = torch.sub(x, m.unsqueeze(-1)).to(acc)  # fresh fp32 chunk
+            lt = local_target[rows]
+            predicted = shifted.gather(-1, lt.unsqueeze(-1)).squeeze(-1)
+            stats[rows, 0] = predicted.masked_fill_(~inside[rows], 0.0)
+            if eps > 0.0:
+                stats[rows, 1] = shifted.sum(dim=-1)
+            exp = shifted.exp_()
+            sum_exp = exp.sum(dim=-1)
+            stats[rows, -1] = sum_exp
+            if world == 1 and grad is not None:  # the whole row is here: gradient now
+                p = exp.div_(sum_exp.unsqueeze(-1))
+                grad[rows] = _adjust_to_gradient(p, lt, inside[rows], eps, vocab_size)
+
         if world > 1:
-            dist.all_reduce(stats, group=group)
-        predicted, sum_exp = stats[..., 0], stats[..., -1]
-
+            dist.all_reduce(stats, group=group)  # the sums do not depend on each other
+        predicted, sum_exp = stats[:, 0], stats[:, -1]
         log_z = torch.log(sum_exp)
         loss = log_z - predicted  # -log p[target]
-        vocab_size = exp.shape[-1] * world
-        if label_smoothing > 0.0:
+        if eps > 0.0:
             # The target distribution is (1-eps)*onehot + eps/V (torch's convention):
             # the smoothing term is the mean over the vocabulary of -log p.
-            mean_neg_log_p = log_z - stats[..., 1] / vocab_size
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_neg_log_p
+            mean_neg_log_p = log_z - stats[:, 1] / vocab_size
+            loss = (1.0 - eps) * loss + eps * mean_neg_log_p
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
-        return loss
+        if world > 1 and grad is not None:  # second pass: softmax = exp(x - max - log Z)
+            shift = logits_max + log_z
+            for rows in _chunks(n, vl, chunk_elements):
+                p = torch.sub(flat[rows], shift[rows].unsqueeze(-1)).to(acc).exp_()
+                grad[rows] = _adjust_to_gradient(p, local_target[rows], inside[rows], eps,
+                                                 vocab_size)
+
+        if grad is not None:
+            ctx.save_for_backward(grad)
+        ctx.logits_shape, ctx.chunk_elements = logits.shape, chunk_elements
+        return loss.float().view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        g = grad_loss.float().unsqueeze(-1)  # (..., 1)
-        grad = softmax * g  # a new buffer: the saved softmax stays intact for a re-run
-        if eps > 0.0:
-            grad.sub_(g * (eps / ctx.vocab_size))
-        hit = (~outside).unsqueeze(-1).to(grad.dtype) * g * (1.0 - eps)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
-        return grad.to(ctx.logits_dtype), None, None, None
+        (grad,) = ctx.saved_tensors  # (N, V/tp), logits' dtype; left intact for a re-run
+        g = grad_loss.reshape(-1, 1).to(torch.promote_types(grad.dtype, torch.float32))
+        out = torch.empty_like(grad)
+        for rows in _chunks(grad.shape[0], grad.shape[1], ctx.chunk_elements):
+            torch.mul(grad[rows], g[rows], out=out[rows])  # fp32 math, one rounding
+        return out.view(ctx.logits_shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0,
-                                 tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                                 tp_group: dist.ProcessGroup | None = None, *,
+                                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
     """Per-token cross entropy of vocab-sharded logits; no reduction.
 
     ``vocab_parallel_logits`` is ``[..., V/tp]`` (this rank's vocabulary block),
     ``target`` the ``[...]`` full-vocabulary ids. Returns the fp32 ``[...]`` loss equal
     to ``F.cross_entropy(full_logits.float(), target, reduction="none",
-    label_smoothing=label_smoothing)``; the math runs in fp32 and the gradient comes
-    back in the logits' dtype. ``tp_group`` defaults to parallel_state's TP group.
+    label_smoothing=label_smoothing)``; the math runs in fp32 (fp64 for fp64 logits)
+    on chunks of about ``chunk_elements`` logits, and the gradient is computed in the
+    forward pass and kept in the logits' dtype (see the module docstring). When no
+    gradient is needed (``torch.no_grad()``, logits without ``requires_grad``) it is
+    not computed. ``tp_group`` defaults to parallel_state's TP group.
     """
     if target.shape != vocab_parallel_logits.shape[:-1]:
         raise ValueError(
@@ -87,6 +143,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         )
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
     group = resolve_tp_group(tp_group)
+    need_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target,
-                                            float(label_smoothing), group)
+                                            float(label_smoothing), group, need_grad,
+                                            int(chunk_elements))

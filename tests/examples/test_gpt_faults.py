@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
+import checkpointing  # noqa: E402
 import data  # noqa: E402
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -172,7 +173,13 @@ def test_kill_9_of_one_rank_stops_all_within_60s(data_dir, tmp_path):
     for r in (0, 1, 3):
         assert "a collective failed" in text[r], text[r][-3000:]
     # Relaunch: resumes from the newest save that verifies (a save cut short is skipped).
-    last = max(int(t.split()[0]) for t in text[0].split("saved checkpoint iter ")[1:])
+    printed = max(int(t.split()[0]) for t in text[0].split("saved checkpoint iter ")[1:])
+    # The newest complete save: rank 0 prints "saved" after the save's last barrier, so
+    # when rank 2 dies in that barrier the save is complete (the manifest comes after
+    # every rank's files) but not printed, and the relaunch rightly resumes from it.
+    last = max(int(d.name[5:]) for d in checkpointing.list_checkpoints(ckpt)
+               if not checkpointing.verify_all(d))
+    assert last >= printed
     relaunch = tmp_path / "relaunch"
     relaunch.mkdir()
     procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", str(last + 1),

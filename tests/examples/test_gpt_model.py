@@ -152,3 +152,23 @@ def test_padded_vocab_is_the_same_for_every_tp_size():
 def test_heads_must_divide_over_tp():
     with pytest.raises(ValueError, match="hidden_size"):
         GPTConfig(hidden_size=30, num_attention_heads=4)
+
+
+def test_attention_is_causal_sdpa_without_a_mask(monkeypatch):
+    """The default path hands SDPA ``is_causal=True`` and no mask, so it may pick its
+    flash / memory-efficient kernels (an explicit mask rules flash out)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((args, kwargs))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    cfg = GPTConfig(**CFG)
+    ids, targets = _batch(cfg)
+    GPT(cfg)(ids, targets).backward()
+    assert len(calls) == cfg.num_layers
+    for args, kwargs in calls:
+        assert args == () and kwargs.get("is_causal") is True, kwargs
+        assert kwargs.get("attn_mask") is None and "attn_mask" not in kwargs

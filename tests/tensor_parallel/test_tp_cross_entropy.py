@@ -92,3 +92,55 @@ def test_single_process():
     logits, target, weights = _data()
     torch.testing.assert_close(vocab_parallel_cross_entropy(logits, target),
                                _ref(logits, target, weights, 0.0)[0], **FP32)
+
+
+# -- the chunked path: chunks of a few tokens, bf16 logits, what is kept for backward
+
+BIG_VOCAB = 256
+BF16_GRAD = {"rtol": 1e-2, "atol": 1e-4}  # two bf16 roundings: stored gradient, product
+
+
+def _check_chunked(tp):
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    r, width = ps.get_tensor_model_parallel_rank(), BIG_VOCAB // tp
+    cols = slice(r * width, (r + 1) * width)
+    gen = torch.Generator().manual_seed(1)
+    logits = 4.0 * torch.randn(3, 7, BIG_VOCAB, generator=gen)
+    target = torch.randint(BIG_VOCAB, (3, 7), generator=gen)
+    weights = torch.rand(3, 7, generator=gen)
+    for ls in (0.0, 0.1):
+        for dtype, grad_tol in ((torch.float32, FP32), (torch.bfloat16, BF16_GRAD)):
+            full = logits.to(dtype)
+            ref_loss, ref_grad = _ref(full, target, weights, ls)
+            # 1 token, 5 tokens (chunks straddle the batch rows) and everything at once.
+            for tokens_per_chunk in (1, 5, 10**6):
+                local = full[..., cols].clone().requires_grad_()
+                saved = []
+
+                def pack(t, saved=saved):
+                    saved.append((t.dtype, t.numel()))
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = vocab_parallel_cross_entropy(
+                        local, target, ls, chunk_elements=tokens_per_chunk * width)
+                torch.testing.assert_close(loss, ref_loss.float(), **FP32)
+                # Kept for backward: one gradient in the logits' dtype, no fp32 softmax.
+                assert saved == [(dtype, local.numel())], saved
+                loss.backward(weights)
+                assert local.grad.dtype == dtype
+                torch.testing.assert_close(local.grad, ref_grad[..., cols], **grad_tol)
+    # No gradient wanted: nothing is computed or kept (the loss is the same).
+    local = logits[..., cols].clone().requires_grad_()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            vocab_parallel_cross_entropy(local, target, chunk_elements=width),
+            vocab_parallel_cross_entropy(local.detach(), target), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="chunk_elements"):
+        vocab_parallel_cross_entropy(local, target, chunk_elements=0)
+    return True
+
+
+@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2)])
+def test_chunked_bf16_matches_full_cross_entropy(world, world_size, tp):
+    assert all(world(world_size, _check_chunked, tp))

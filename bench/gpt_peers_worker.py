@@ -1,0 +1,277 @@
+"""One setup of bench_gpt_peers.py in this process (one rank of a torchrun-style world).
+
+Every setup trains the GPT example's model (examples/gpt/model.py, TP=1) on the
+same random tokens from the same seed; only the training wrapper differs:
+
+========================  ==============================================================
+``torch``                 fp32 weights, bf16 autocast, ``torch.optim.AdamW(fused=True)``,
+                          eager, no wrapper (world 1 only)
+``ddp``                   the same under ``DistributedDataParallel``
+``zero1``                 DDP + ``ZeroRedundancyOptimizer`` (fused AdamW shards, ZeRO-1)
+``fsdp2``                 ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(
+                          param_dtype=bf16, reduce_dtype=fp32)``, fused AdamW on DTensors
+``dfa``                   the example's ``--bf16``: bf16 parameters, DistributedFusedAdam
+                          with fp32 masters in its shards
+``dfa-remainders``        ``--bf16 --store-param-remainders`` (bf16 + int16 remainder)
+``adamw``                 the example's ``--bf16 --optimizer adamw``: torch AdamW on fp32
+                          master copies, gradients all-reduced
+========================  ==============================================================
+
+Each iteration: ``grad_acc`` forward/backward passes (all but the last without
+gradient sync: ``no_sync`` / ``set_requires_gradient_sync(False)`` / the example's
+``optim.no_sync``), clipping to 1.0, the step, ``zero_grad``. Timed per iteration:
+the whole iteration and its *step phase* — from the end of the last backward to
+the end of ``step()``, so clipping, the wait for outstanding gradient
+reductions (DFA, FSDP2) and the step (with ZeRO-1's parameter broadcast, and
+DFA's all-gather unless ``--overlap-param-sync`` defers it to the next forward)
+— with CUDA events on GPUs, ``perf_counter`` on CPU. Rank 0 writes a JSON
+result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "gpt"))
+
+from mpzero import parallel_state  # noqa: E402
+
+import compiling  # noqa: E402
+import logging_utils  # noqa: E402
+import optim  # noqa: E402
+import precision  # noqa: E402
+from model import GPT, GPTConfig, flops_per_token  # noqa: E402
+
+SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
+BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16
+HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+WEIGHT_DECAY, CLIP = 0.1, 1.0
+
+
+class Timer:
+    """Marks on the device's timeline: CUDA events, or the host clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+
+def _torch_adamw(params, device):
+    fused = True if device.type == "cuda" else None
+    return torch.optim.AdamW(params, weight_decay=WEIGHT_DECAY, fused=fused, **HP)
+
+
+class Wrapped:
+    """A setup: the module to call, the optimizer, and how it syncs, clips and steps."""
+
+    def __init__(self, model: GPT, module, optimizer, *, autocast, no_sync, clip) -> None:
+        self.model, self.module, self.optimizer = model, module, optimizer
+        self.autocast, self.no_sync, self.clip = autocast, no_sync, clip
+
+    def step(self) -> torch.Tensor:
+        norm = self.clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
+    """The model of ``cfg`` (seeded, identical in every setup) wrapped for ``setup``."""
+    torch.manual_seed(a.seed)
+    model = GPT(cfg).to(device)
+    autocast = contextlib.nullcontext
+    if setup not in BF16_PARAMS and setup != "fsdp2":  # the torch users' AMP recipe
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+    if setup in BF16_PARAMS:
+        precision.cast_parameters(model, torch.bfloat16)
+    if a.compile:
+        compiling.compile_model(model, a.compile_mode)
+    groups = model.param_groups(WEIGHT_DECAY)
+    world = dist.get_world_size()
+
+    def torch_clip():
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+    if setup == "torch":
+        if world != 1:
+            raise ValueError("setup 'torch' has no gradient sync: run it with --nproc 1")
+        return Wrapped(model, model, _torch_adamw(groups, device), autocast=autocast,
+                       no_sync=contextlib.nullcontext, clip=torch_clip)
+    if setup in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=a.bucket_cap_mb)
+        if setup == "ddp":
+            opt = _torch_adamw(groups, device)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(
+                groups, optimizer_class=torch.optim.AdamW, weight_decay=WEIGHT_DECAY,
+                fused=True if device.type == "cuda" else None, **HP)
+        return Wrapped(model, ddp, opt, autocast=autocast, no_sync=ddp.no_sync,
+                       clip=torch_clip)
+    if setup == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        opt = _torch_adamw(model.param_groups(WEIGHT_DECAY), device)
+
+        @contextlib.contextmanager
+        def no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+        return Wrapped(model, model, opt, autocast=autocast, no_sync=no_sync,
+                       clip=torch_clip)
+    if setup in ("dfa", "dfa-remainders", "adamw"):
+        opt = optim.build_optimizer(
+            "adamw" if setup == "adamw" else "dfa", model, weight_decay=WEIGHT_DECAY,
+            device=device, overlap_grad_sync=True, overlap_param_sync=a.overlap_param_sync,
+            bucket_cap_mb=a.bucket_cap_mb,
+            grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,
+            store_param_remainders=setup == "dfa-remainders", **HP)
+        return Wrapped(model, model, opt, autocast=autocast,
+                       no_sync=lambda: optim.no_sync(opt), clip=lambda: opt.clip_grad_norm(CLIP))
+    raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
+
+
+def run(setup: str, a) -> dict | None:
+    """Train ``a.warmup + a.iters`` iterations; rank 0's summary (None elsewhere)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
+        if not a.cpu else torch.device("cpu")
+    cfg = GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
+                    hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads)
+    w = build(setup, cfg, device, a)
+    gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each DP rank its own data
+    total = a.warmup + a.iters
+    data = torch.randint(cfg.vocab_size, (total, a.grad_acc, a.micro_batch_size,
+                                          cfg.seq_length + 1), generator=gen)
+    timer = Timer(device)
+    iter_ms, step_ms, losses = [], [], []
+    for it in range(total):
+        batch = data[it].to(device)
+        start = timer.mark()
+        loss_sum = torch.zeros((), device=device)
+        for m in range(a.grad_acc):
+            x, y = batch[m, :, :-1], batch[m, :, 1:]
+            last = m == a.grad_acc - 1
+            with contextlib.nullcontext() if last else w.no_sync():
+                with w.autocast():
+                    loss = w.module(x, y)
+                (loss / a.grad_acc).backward()
+            loss_sum += loss.detach().float()
+        backward_end = timer.mark()
+        w.step()
+        end = timer.mark()
+        if it >= a.warmup:
+            iter_ms.append(timer.ms(start, end))
+            step_ms.append(timer.ms(backward_end, end))
+        losses.append(float(loss_sum) / a.grad_acc)
+    mem = torch.tensor([logging_utils.memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    it_ms, st_ms = statistics.median(iter_ms), statistics.median(step_ms)
+    tokens = a.micro_batch_size * cfg.seq_length * a.grad_acc * world
+    tokens_per_s = tokens / (it_ms / 1e3)
+    tflops = flops_per_token(cfg) * tokens_per_s / world / 1e12
+    peak = a.peak_tflops
+    if peak is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in logging_utils.PEAK_BF16_TFLOPS.items() if k in name), None)
+    return {"setup": setup, "compile": a.compile_mode if a.compile else None, "world": world,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
+            "memory_kind": logging_utils.memory_kind(device),
+            "step_ms": st_ms, "step_share": st_ms / it_ms, "loss_first": losses[0],
+            "loss_last": losses[-1], "parameters": w.model.num_parameters(),
+            "iter_ms_all": iter_ms, "step_ms_all": step_ms}
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The flags the driver passes on to every worker."""
+    g = p.add_argument_group("model and batch")
+    g.add_argument("--num-layers", type=int, default=24)
+    g.add_argument("--hidden-size", type=int, default=2048)
+    g.add_argument("--num-attention-heads", type=int, default=16)
+    g.add_argument("--seq-length", type=int, default=2048)
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--vocab-size", type=int, default=50304)
+    g.add_argument("--grad-acc", type=int, default=1, help="micro-batches per iteration")
+    g = p.add_argument_group("run")
+    g.add_argument("--warmup", type=int, default=5, help="untimed iterations (compilation)")
+    g.add_argument("--iters", type=int, default=20, help="timed iterations")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--compile", action="store_true", help="torch.compile every setup")
+    g.add_argument("--compile-mode", choices=list(compiling.MODES), default="block")
+    g.add_argument("--grad-sync-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dfa/dfa-remainders/adamw: gradient reduction dtype")
+    g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
+                   default=True, help="dfa setups: all-gather parameters in the next forward")
+    g.add_argument("--bucket-cap-mb", type=float, default=100.0)
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per device for MFU (None: known GPUs' dense bf16 peak, "
+                        "e.g. 989 for H100/H200)")
+    g.add_argument("--cpu", action="store_true", help="CPU ranks with gloo")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--setup", choices=SETUPS, required=True)
+    p.add_argument("--result", required=True, help="JSON file rank 0 writes")
+    add_shape_args(p)
+    a = p.parse_args(argv)
+    if a.cpu:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    out = run(a.setup, a)
+    if out is not None:
+        Path(a.result).write_text(json.dumps(out))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""``--compile``: torch.compile of the transformer blocks (default) or of the whole model.
+
+- ``--compile-mode block`` (the default, as torchtitan does per block): each
+  ``Block``'s ``forward`` is compiled. All blocks have the same code and shapes,
+  so one compilation serves every layer (dynamo recompiles at most once per
+  distinct guard set), and the embeddings, the output layer and the
+  vocab-parallel cross entropy (with its TP collectives) stay eager.
+- ``--compile-mode model``: the GPT's ``forward`` as a whole; TP collectives and
+  the cross entropy's chunk loop are graph breaks where dynamo cannot trace them.
+
+Only the ``forward`` methods are replaced (an instance attribute), not the modules:
+the state-dict keys stay the same (no ``_orig_mod.`` prefix, so checkpoints move
+freely between compiled and eager runs), and the module's own hooks — the
+optimizer's forward pre-hooks of ``--overlap-param-sync`` — run eagerly around the
+compiled code. DistributedFusedAdam's per-parameter post-accumulate-grad hooks
+are unaffected: the parameters stay leaves of the eager autograd graph, whose
+AccumulateGrad nodes fire the hooks after each compiled backward region.
+The optimizer step is not compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("block", "model")
+
+
+def compile_model(model: torch.nn.Module, mode: str = "block", **options) -> torch.nn.Module:
+    """Compile ``model``'s blocks or its whole forward in place; returns ``model``.
+
+    ``options`` go to ``torch.compile`` (e.g. ``fullgraph``, ``backend``)."""
+    if mode not in MODES:
+        raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+    if mode == "model":
+        model.forward = torch.compile(model.forward, **options)
+        return model
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError("compile mode 'block' needs a model with .blocks")
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **options)
+    return model
+

@@ -1,0 +1,49 @@
+"""bench/bench_gpt_peers.py --cpu: the tiny shape on gloo, two setups in their own
+processes, the table and the JSON rows (a smoke test: no timing is checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench" / "bench_gpt_peers.py"
+
+
+@pytest.mark.timeout(120)
+def test_cpu_smoke_two_setups(tmp_path):
+    out = tmp_path / "peers.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(BENCH), "--cpu", "--iters", "2", "--warmup",
+                           "1", "--setups", "ddp,dfa", "--json", str(out)],
+                          capture_output=True, text=True, timeout=110, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "| setup | compile | iter ms | tokens/s |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["shape"]["num_layers"] == 2 and report["nproc"] == 1
+    rows = {r["setup"]: r for r in report["rows"]}
+    assert set(rows) == {"ddp", "dfa"}
+    for name, r in rows.items():
+        assert "error" not in r, (name, r)
+        assert len(r["iter_ms_all"]) == 2 and r["iter_ms"] > 0 and r["tokens_per_s"] > 0
+        assert 0 < r["step_share"] < 1 and r["peak_gib"] > 0 and r["mfu"] is None
+        assert r["parameters"] > 0 and r["world"] == 1
+    # Same seed, same data, same model: the first losses agree (fp32+autocast on CPU
+    # vs bf16 parameters: within bf16 rounding).
+    assert rows["ddp"]["loss_first"] == pytest.approx(rows["dfa"]["loss_first"], rel=1e-2)
+
+
+def test_unknown_setup_is_refused(capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_gpt_peers
+
+    with pytest.raises(SystemExit):
+        bench_gpt_peers.parse_args(["--cpu", "--setups", "ddp,nope"])
+    assert "nope" in capsys.readouterr().err
+    a = bench_gpt_peers.parse_args(["--small", "--num-layers", "3", "--nproc", "2"])
+    assert (a.num_layers, a.hidden_size, a.setups[0]) == (3, 768, "ddp")  # torch: 1 rank
