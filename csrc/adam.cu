@@ -11,6 +11,7 @@
 #include "mpzero.h"
 #include "multi_tensor_apply.cuh"
 
+#include <algorithm>
 #include <cmath>
 
 namespace mpzero {
@@ -266,6 +267,43 @@ void dispatch_float(at::ScalarType t, const char* what, F&& f) {
   }
 }
 
+// One launch series of the plain kernel over tensors of one (p, g) dtype combination.
+void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, OutKind ok,
+                 const std::vector<std::array<void*, 5>>& ptrs,
+                 const std::vector<int64_t>& numel) {
+  dispatch_float(pt, "params", [&](auto p_tag) {
+    dispatch_float(gt, "grads", [&](auto g_tag) {
+      using P = decltype(p_tag);
+      using G = decltype(g_tag);
+      AdamOp<P, G> op{s, ok, 1.0f};
+      launch_multi_tensor<5>(ptrs, numel, chunk_elems(), op);
+    });
+  });
+}
+
+// The same for the remainder kernel (params are bf16 bits, the dtype is fixed).
+void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKind ok,
+                 const std::vector<std::array<void*, 6>>& ptrs,
+                 const std::vector<int64_t>& numel) {
+  dispatch_float(gt, "grads", [&](auto g_tag) {
+    using G = decltype(g_tag);
+    AdamRemOp<G> op{s, ok, 1.0f};
+    launch_multi_tensor<6>(ptrs, numel, chunk_elems(), op);
+  });
+}
+
+void check_plain_dtypes(at::ScalarType pt, at::ScalarType mt, at::ScalarType vt) {
+  TORCH_CHECK(mt == pt && vt == pt, "mpzero.adam: exp_avg/exp_avg_sq must have the params' dtype");
+}
+
+void check_remainder_dtypes(at::ScalarType pt, at::ScalarType rt, at::ScalarType mt,
+                            at::ScalarType vt) {
+  TORCH_CHECK(pt == at::kBFloat16 && rt == at::kShort,
+              "mpzero.adam_remainders: params must be bfloat16 and remainders int16");
+  TORCH_CHECK(mt == at::kFloat && vt == at::kFloat,
+              "mpzero.adam_remainders: exp_avg/exp_avg_sq must be float32");
+}
+
 }  // namespace
 
 void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
@@ -303,8 +341,7 @@ void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
       TORCH_CHECK(g[i].numel() == k && m[i].numel() == k && v[i].numel() == k &&
                       (!has_out || p_out[i].numel() == k),
                   "mpzero.adam: tensor ", i, " has mismatched element counts");
-      TORCH_CHECK(m[i].scalar_type() == pt && v[i].scalar_type() == pt,
-                  "mpzero.adam: exp_avg/exp_avg_sq must have the params' dtype");
+      check_plain_dtypes(pt, m[i].scalar_type(), v[i].scalar_type());
       if (k == 0) continue;
       ptrs.push_back({p[i].data_ptr(), g[i].data_ptr(), m[i].data_ptr(), v[i].data_ptr(),
                       has_out ? p_out[i].data_ptr() : nullptr});
@@ -312,14 +349,7 @@ void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
     }
     if (numel.empty()) continue;
     const OutKind ok = has_out ? out_kind_of(ot) : OutKind::kNone;
-    dispatch_float(pt, "params", [&](auto p_tag) {
-      dispatch_float(gt, "grads", [&](auto g_tag) {
-        using P = decltype(p_tag);
-        using G = decltype(g_tag);
-        AdamOp<P, G> op{s, ok, 1.0f};
-        launch_multi_tensor<5>(ptrs, numel, chunk_elems(), op);
-      });
-    });
+    launch_adam(s, pt, gt, ok, ptrs, numel);
   }
 }
 
@@ -355,10 +385,8 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
         continue;
       done[i] = true;
       const int64_t k = p[i].numel();
-      TORCH_CHECK(p[i].scalar_type() == at::kBFloat16 && rem[i].scalar_type() == at::kShort,
-                  "mpzero.adam_remainders: params must be bfloat16 and remainders int16");
-      TORCH_CHECK(m[i].scalar_type() == at::kFloat && v[i].scalar_type() == at::kFloat,
-                  "mpzero.adam_remainders: exp_avg/exp_avg_sq must be float32");
+      check_remainder_dtypes(p[i].scalar_type(), rem[i].scalar_type(), m[i].scalar_type(),
+                             v[i].scalar_type());
       TORCH_CHECK(rem[i].numel() == k && g[i].numel() == k && m[i].numel() == k &&
                       v[i].numel() == k && (!has_out || p_out[i].numel() == k),
                   "mpzero.adam_remainders: tensor ", i, " has mismatched element counts");
@@ -369,11 +397,173 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
     }
     if (numel.empty()) continue;
     const OutKind ok = has_out ? out_kind_of(ot) : OutKind::kNone;
-    dispatch_float(gt, "grads", [&](auto g_tag) {
-      using G = decltype(g_tag);
-      AdamRemOp<G> op{s, ok, 1.0f};
-      launch_multi_tensor<6>(ptrs, numel, chunk_elems(), op);
-    });
+    launch_adam(s, at::kBFloat16, gt, ok, ptrs, numel);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamPlan
+
+namespace {
+
+template <int DEPTH>
+void run_groups(const AdamScalars& s, const std::vector<AdamPlan::Group>& groups,
+                const std::vector<std::vector<AdamPlan::Ref>>& refs,
+                const std::vector<int64_t>& numel, const std::vector<at::Tensor>& fixed,
+                const std::vector<char*>& dynamic) {
+  std::vector<std::array<void*, DEPTH>> ptrs;
+  std::vector<int64_t> counts;
+  for (const AdamPlan::Group& grp : groups) {
+    ptrs.clear();
+    counts.clear();
+    for (int e : grp.entries) {
+      std::array<void*, DEPTH> row;
+      for (int d = 0; d < DEPTH; ++d) {
+        const AdamPlan::Ref& r = refs[e][d];
+        row[d] = r.base < 0 ? nullptr
+                 : r.dynamic ? static_cast<void*>(dynamic[r.base] + r.byte_offset)
+                             : fixed[r.base].data_ptr();
+      }
+      ptrs.push_back(row);
+      counts.push_back(numel[e]);
+    }
+    launch_adam(s, grp.p, grp.g, static_cast<OutKind>(grp.out_kind), ptrs, counts);
+  }
+}
+
+}  // namespace
+
+AdamPlan::AdamPlan(bool remainders,
+                   const std::vector<std::vector<std::optional<at::Tensor>>>& lists,
+                   const std::vector<int64_t>& slots, const std::vector<at::Tensor>& dynamic_like)
+    : remainders_(remainders), depth_(remainders ? 6 : 5), device_(at::kCPU) {
+  const char* what = "mpzero.AdamPlan";
+  TORCH_CHECK(static_cast<int>(lists.size()) == depth_, what, ": expected ", depth_,
+              " argument lists, got ", lists.size());
+  const size_t n = lists[0].size();
+  const int out = depth_ - 1;
+  const bool has_out = !lists[out].empty();
+  for (int d = 0; d < depth_; ++d) {
+    TORCH_CHECK(lists[d].size() == n || (d == out && !has_out), what, ": list ", d, " has ",
+                lists[d].size(), " entries, expected ", n);
+  }
+  TORCH_CHECK(slots.size() % 4 == 0, what, ": slots must be 4-tuples, got ", slots.size(),
+              " numbers");
+  bool have_device = false;
+  auto check_tensor = [&](const at::Tensor& t, const char* kind) {
+    TORCH_CHECK(t.is_cuda(), what, ": ", kind, " tensors must be CUDA tensors");
+    TORCH_CHECK(t.is_contiguous(), what, ": ", kind, " tensors must be contiguous");
+    if (!have_device) {
+      device_ = t.device();
+      have_device = true;
+    }
+    TORCH_CHECK(t.device() == device_, what, ": every tensor must be on ", device_, ", got ",
+                t.device());
+  };
+  for (const at::Tensor& t : dynamic_like) {
+    check_tensor(t, "per-step");
+    dynamic_dtype_.push_back(t.scalar_type());
+    dynamic_numel_.push_back(0);
+  }
+  // Entries' sizes come from exp_avg, which is always a fixed tensor.
+  const int m_pos = remainders ? 3 : 2;
+  numel_.resize(n);
+  refs_.assign(n, std::vector<Ref>(depth_));
+  std::vector<std::vector<at::ScalarType>> dtype(n, std::vector<at::ScalarType>(depth_, at::kFloat));
+  std::vector<std::vector<bool>> filled(n, std::vector<bool>(depth_, false));
+  for (size_t e = 0; e < n; ++e) {
+    const auto& m = lists[m_pos][e];
+    TORCH_CHECK(m.has_value() && m->defined(), what, ": entry ", e,
+                " has no exp_avg tensor (it cannot be a per-step slot)");
+    numel_[e] = m->numel();
+    for (int d = 0; d < depth_; ++d) {
+      if (d == out && !has_out) {
+        filled[e][d] = true;  // Ref stays null: no output
+        continue;
+      }
+      const auto& t = lists[d][e];
+      if (!t.has_value() || !t->defined()) continue;
+      check_tensor(*t, "fixed");
+      TORCH_CHECK(t->numel() == numel_[e], what, ": entry ", e, ", list ", d, " has ",
+                  t->numel(), " elements, expected ", numel_[e]);
+      refs_[e][d] = Ref{static_cast<int>(fixed_.size()), false, 0};
+      fixed_.push_back(*t);
+      dtype[e][d] = t->scalar_type();
+      filled[e][d] = true;
+    }
+  }
+  for (size_t k = 0; k < slots.size(); k += 4) {
+    const int64_t d = slots[k], e = slots[k + 1], b = slots[k + 2], off = slots[k + 3];
+    TORCH_CHECK(d >= 0 && d < depth_ && e >= 0 && e < static_cast<int64_t>(n), what,
+                ": slot (", d, ", ", e, ") out of range");
+    TORCH_CHECK(!filled[e][d], what, ": slot (", d, ", ", e,
+                ") is given twice or holds a fixed tensor");
+    TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(dynamic_like.size()), what,
+                ": slot (", d, ", ", e, ") names per-step tensor ", b, " of ",
+                dynamic_like.size());
+    TORCH_CHECK(off >= 0 && off + numel_[e] <= dynamic_like[b].numel(), what, ": slot (", d,
+                ", ", e, ") elements [", off, ", ", off + numel_[e],
+                ") exceed per-step tensor ", b, " of ", dynamic_like[b].numel());
+    refs_[e][d] = Ref{static_cast<int>(b), true, off * dynamic_like[b].element_size()};
+    dtype[e][d] = dynamic_dtype_[b];
+    dynamic_numel_[b] = std::max(dynamic_numel_[b], off + numel_[e]);
+    filled[e][d] = true;
+  }
+  for (size_t e = 0; e < n; ++e) {
+    for (int d = 0; d < depth_; ++d) {
+      TORCH_CHECK(filled[e][d], what, ": entry ", e, ", list ", d,
+                  " is None but no slot fills it");
+    }
+  }
+  // Check dtypes and group entries by (p, g, p_out) dtypes, as adam() does per call.
+  const int g_pos = remainders ? 2 : 1;
+  for (size_t e = 0; e < n; ++e) {
+    const auto& dt = dtype[e];
+    if (remainders) {
+      check_remainder_dtypes(dt[0], dt[1], dt[3], dt[4]);
+    } else {
+      check_plain_dtypes(dt[0], dt[2], dt[3]);
+    }
+    const int ok = static_cast<int>(has_out ? out_kind_of(dt[out]) : OutKind::kNone);
+    if (numel_[e] == 0) continue;
+    Group* grp = nullptr;
+    for (Group& gr : groups_) {
+      if (gr.p == dt[0] && gr.g == dt[g_pos] && gr.out_kind == ok) grp = &gr;
+    }
+    if (grp == nullptr) {
+      groups_.push_back(Group{dt[0], dt[g_pos], ok, {}});
+      grp = &groups_.back();
+    }
+    grp->entries.push_back(static_cast<int>(e));
+  }
+}
+
+void AdamPlan::run(const std::vector<at::Tensor>& dynamic, double lr,
+                   std::optional<at::Tensor> lr_t, double beta1, double beta2, double eps,
+                   double weight_decay, int64_t step, std::optional<at::Tensor> step_t,
+                   bool adam_w_mode, bool bias_correction, std::optional<at::Tensor> grad_scale,
+                   std::optional<at::Tensor> found_inf) const {
+  TORCH_CHECK(dynamic.size() == dynamic_dtype_.size(), "mpzero.AdamPlan.run: expected ",
+              dynamic_dtype_.size(), " per-step tensors, got ", dynamic.size());
+  std::vector<char*> bases(dynamic.size());
+  for (size_t k = 0; k < dynamic.size(); ++k) {
+    const at::Tensor& t = dynamic[k];
+    TORCH_CHECK(t.defined() && t.device() == device_ && t.scalar_type() == dynamic_dtype_[k] &&
+                    t.is_contiguous() && t.numel() >= dynamic_numel_[k],
+                "mpzero.AdamPlan.run: per-step tensor ", k, " must be a contiguous ",
+                dynamic_dtype_[k], " tensor on ", device_, " of at least ", dynamic_numel_[k],
+                " elements");
+    bases[k] = static_cast<char*>(t.data_ptr());
+  }
+  if (groups_.empty()) return;
+  const at::cuda::CUDAGuard guard(device_);
+  const AdamScalars s = make_scalars(lr, lr_t, beta1, beta2, eps, weight_decay, step, step_t,
+                                     adam_w_mode, bias_correction, grad_scale, found_inf,
+                                     device_);
+  if (remainders_) {
+    run_groups<6>(s, groups_, refs_, numel_, fixed_, bases);
+  } else {
+    run_groups<5>(s, groups_, refs_, numel_, fixed_, bases);
   }
 }
 

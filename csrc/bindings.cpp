@@ -19,6 +19,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lr_t"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("step_t"), py::arg("adam_w_mode"),
         py::arg("bias_correction"), py::arg("grad_scale"), py::arg("found_inf"));
+  py::class_<mpzero::AdamPlan>(m, "AdamPlan",
+                               "A fused Adam launch planned once (see mpzero.h)")
+      .def(py::init<bool, const std::vector<std::vector<std::optional<at::Tensor>>>&,
+                    const std::vector<int64_t>&, const std::vector<at::Tensor>&>(),
+           py::arg("remainders"), py::arg("lists"), py::arg("slots"), py::arg("dynamic_like"))
+      .def("run", &mpzero::AdamPlan::run, py::arg("dynamic"), py::arg("lr"), py::arg("lr_t"),
+           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("step"), py::arg("step_t"), py::arg("adam_w_mode"),
+           py::arg("bias_correction"), py::arg("grad_scale"), py::arg("found_inf"))
+      .def_property_readonly("entries", &mpzero::AdamPlan::entries)
+      .def_property_readonly("launch_groups", &mpzero::AdamPlan::launch_groups);
   m.def("l2norm", &mpzero::l2norm, "Multi-tensor L2 norm (fp32 accumulation)", py::arg("tensors"),
         py::arg("noop_flag"));
   m.def("multi_copy", &mpzero::multi_copy, "Multi-tensor cast/copy", py::arg("srcs"),

@@ -27,6 +27,47 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
                      std::optional<at::Tensor> step_t, bool adam_w_mode, bool bias_correction,
                      std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf);
 
+// A fused Adam launch planned once: the tensors that stay the same every step (state
+// slices, parameter views) are given at construction, with None where a per-step tensor
+// goes; `slots` (flattened 4-tuples: list position, entry, dynamic base, element offset)
+// say which slice of which per-step base fills each None. `run` takes the per-step bases
+// (same dtype, device and at least the size of `dynamic_like`'s) and launches without
+// any per-entry Python or tensor creation. Lists as adam() (5) or adam_remainders() (6);
+// the last (p_out) may be empty. See adam.cu.
+class AdamPlan {
+ public:
+  AdamPlan(bool remainders, const std::vector<std::vector<std::optional<at::Tensor>>>& lists,
+           const std::vector<int64_t>& slots, const std::vector<at::Tensor>& dynamic_like);
+  void run(const std::vector<at::Tensor>& dynamic, double lr, std::optional<at::Tensor> lr_t,
+           double beta1, double beta2, double eps, double weight_decay, int64_t step,
+           std::optional<at::Tensor> step_t, bool adam_w_mode, bool bias_correction,
+           std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf) const;
+  int64_t entries() const { return static_cast<int64_t>(numel_.size()); }
+  int64_t launch_groups() const { return static_cast<int64_t>(groups_.size()); }
+
+  struct Ref {          // where one pointer of an entry comes from
+    int base = -1;      // index into fixed_ (dynamic == false) or the run's bases; -1: null
+    bool dynamic = false;
+    int64_t byte_offset = 0;
+  };
+  struct Group {        // entries launched together: one (p, g, p_out) dtype combination
+    at::ScalarType p, g;
+    int out_kind;       // OutKind
+    std::vector<int> entries;
+  };
+
+ private:
+  bool remainders_;
+  int depth_;
+  at::Device device_;
+  std::vector<at::Tensor> fixed_;
+  std::vector<std::vector<Ref>> refs_;  // [entry][list position]
+  std::vector<int64_t> numel_;
+  std::vector<at::ScalarType> dynamic_dtype_;
+  std::vector<int64_t> dynamic_numel_;  // elements each per-step base must have at least
+  std::vector<Group> groups_;
+};
+
 // sqrt(sum of squares) of all tensors, 0-dim fp32; noop_flag set to 1 when not finite.
 at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tensor> noop_flag);
 

@@ -172,6 +172,20 @@ def adam_implementation(remainders: bool, lists: Sequence[Sequence[torch.Tensor]
     return reference.adam
 
 
+def adam_plan(kernel, remainders: bool, lists, slots, dynamic_like):
+    """``kernel`` (from :func:`adam_implementation`) planned once where the
+    implementation supports it (the CUDA kernels), else ``None``: a callable
+    ``plan(dynamic, **hyper)`` for argument ``lists`` whose ``None`` entries are
+    filled, every call, from slices of the ``dynamic`` tensors: ``slots`` are
+    ``(list position, entry, index into dynamic, element offset)`` and
+    ``dynamic_like`` gives the per-step tensors' dtype, device and size."""
+    if _cuda is None or not _cuda.adam_plan_available():
+        return None
+    if kernel not in (_cuda.adam, _cuda.adam_remainders):
+        return None
+    return _cuda.AdamPlan(remainders, lists, slots, dynamic_like)
+
+
 def l2norm(
     tensors: Sequence[torch.Tensor],
     *,

@@ -11,6 +11,7 @@ import torch
 from mpzero import _C
 
 __all__ = [
+    "AdamPlan",
     "adam",
     "adam_remainders",
     "l2norm",
@@ -163,6 +164,38 @@ def adam_remainders(
         gs,
         fi,
     )
+
+
+class AdamPlan:
+    """:func:`adam` / :func:`adam_remainders` planned once (``_C.AdamPlan``): the fixed
+    tensors of the argument lists are given here, with ``None`` where a per-step tensor
+    goes; ``slots`` are ``(list position, entry, per-step base, element offset)``. A call
+    takes the per-step bases and the hyper-parameters and launches with no per-entry
+    work on the host."""
+
+    def __init__(self, remainders: bool, lists, slots, dynamic_like) -> None:
+        lists = [list(lst) if lst is not None else [] for lst in lists]
+        flat = [int(x) for slot in slots for x in slot]
+        self._plan = _C.AdamPlan(bool(remainders), lists, flat, list(dynamic_like))
+        self._device = next(t.device for lst in lists for t in lst if t is not None)
+
+    @property
+    def entries(self) -> int:
+        return self._plan.entries
+
+    def __call__(self, dynamic, *, lr, beta1, beta2, eps, weight_decay, step,
+                 adam_w_mode=True, bias_correction=True, grad_scale=None,
+                 found_inf=None) -> None:
+        lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(self._device, lr, step, grad_scale,
+                                                          found_inf)
+        self._plan.run(dynamic, lr_f, lr_t, float(beta1), float(beta2), float(eps),
+                       float(weight_decay), step_i, step_t, bool(adam_w_mode),
+                       bool(bias_correction), gs, fi)
+
+
+def adam_plan_available() -> bool:
+    """The built extension has ``AdamPlan`` (an older build of ``_C`` may not)."""
+    return hasattr(_C, "AdamPlan")
 
 
 def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:

@@ -278,8 +278,11 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
 
     def _copy_pending_grads(self) -> None:
         """Move gradients still held in ``param.grad`` into the buckets."""
-        for i, p in enumerate(self._params):
-            if p.requires_grad and p.grad is not None:
+        # Usually none (the gradient hooks took them): one pass that only reads .grad.
+        pending = [i for i, p in enumerate(self._params) if p.grad is not None]
+        for i in pending:
+            p = self._params[i]
+            if p.requires_grad:
                 self._take_grad(i, p)
 
     def grad_sync(self) -> None:

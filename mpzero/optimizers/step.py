@@ -5,7 +5,7 @@ Mixed into :class:`~mpzero.optimizers.DistributedFusedAdam`::
     step()  -> param_sync() (finish last step's gathers) -> grad_sync() (flush buckets)
             -> grad scaler: found-inf check, unscale folded into grad_scale
             -> _local_step: per phase, mark buckets stale (shard-sized output buffers),
-               _fused_adam (one kernels.adam launch per param group x dtype key)
+               one fused Adam launch per param group x dtype key (_planned_adam)
             -> all-gather now, or (overlap_param_sync) the first bucket now and the rest
                from the next forward's module pre-hooks
 
@@ -16,6 +16,7 @@ into the same ``grad_scale`` device scalar the kernels read.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,17 @@ from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.options import is_byte_dtype
 from mpzero.optimizers.step_plan import GRAD, OUT, PlanBuilder, StepPlan
 from mpzero.warn import user_stacklevel
+
+
+class Phase(NamedTuple):
+    """Buckets stepped together (static once the layout is made)."""
+
+    buckets: list[int]
+    buffered: list[int]  # their step writes a shard-sized output buffer (then gathered)
+    start_gathers: bool  # start the parameter gathers right after this phase
+    planned: list[int]  # launched through a StepPlan
+    general: list[int]  # the rest (argument lists made per step)
+    plan_key: tuple  # (bucket, writes the params directly) of the planned ones
 
 
 class StepMixin:
@@ -252,28 +264,43 @@ class StepMixin:
             group["lr"] = lr_t
         return lr_t
 
+    def _phases(self, deferred: bool) -> list[Phase]:
+        """The buckets stepped together, in order; made once per ``deferred``."""
+        cache = self.__dict__.setdefault("_phases_cache", {})
+        if deferred not in cache:
+            order = list(range(len(self._layouts)))
+            if deferred and order:
+                # The last bucket is used first by the next forward: step it alone, start
+                # its gather, and let the gather overlap the step of the rest.
+                groups = [([order[-1]], True), (order[:-1], False)]
+            else:
+                groups = [(order, False)]
+            cache[deferred] = [self._phase(buckets, start) for buckets, start in groups]
+        return cache[deferred]
+
+    def _phase(self, buckets: list[int], start: bool) -> Phase:
+        # Where one rank holds the whole bucket the kernels write the parameters
+        # themselves (no shard buffer, no gather, no copy-out).
+        direct = {b: self._writes_params(b) for b in buckets}
+        planned = [b for b in buckets if self._plannable(b, direct[b])]
+        return Phase(buckets, [b for b in buckets if not direct[b]], start, planned,
+                     [b for b in buckets if b not in set(planned)],
+                     tuple((b, direct[b]) for b in planned))
+
     def _local_step(self, found_inf: torch.Tensor | None = None) -> None:
         self._found_inf_for_kernels = found_inf
-        outs = {}
-        first_gathered = None
-        order = list(range(len(self._layouts)))
         deferred = self.overlap_param_sync and bool(self._module_hooks)
-        if deferred and order:
-            # The last bucket is used first by the next forward: step it alone, start its
-            # gather, and let the gather overlap the step of the rest.
-            first_gathered = order[-1]
-            phases = [[first_gathered], order[:-1]]
-        else:
-            phases = [order]
-        for phase in phases:
-            for b in phase:
-                # One rank holds the whole bucket: the kernels write the parameters
-                # themselves (no shard buffer, no gather, no copy-out).
-                outs[b] = (None if self._writes_params(b)
-                           else self._param_sync.mark_stale(b))
-            self._fused_adam(phase, outs)
-            if deferred and phase == [first_gathered]:
-                self._param_sync.start_through(first_gathered)
+        for phase in self._phases(deferred):
+            outs = dict.fromkeys(phase.buckets)
+            for b in phase.buffered:
+                outs[b] = self._param_sync.mark_stale(b)
+            # One fused launch per (param group, dtype key, kind) over the phase's buckets.
+            if phase.planned:
+                self._planned_adam(phase, outs)
+            if phase.general:
+                self._general_adam(phase.general, outs)
+            if phase.start_gathers:
+                self._param_sync.start_through(phase.buckets[0])
         if self.overlap_param_sync and not self._module_hooks and not self._warned_no_module:
             self._warned_no_module = True
             warnings.warn("overlap_param_sync=True but no module is attached (module= or "
@@ -282,15 +309,6 @@ class StepMixin:
         if not deferred:
             self._param_sync.sync_all()
 
-    def _fused_adam(self, buckets, outs) -> None:
-        """One fused launch per (param group, dtype key, kind) over the given buckets."""
-        planned = [b for b in buckets if self._plannable(b, outs[b] is None)]
-        if planned:
-            self._planned_adam(planned, outs)
-        if len(planned) < len(buckets):
-            done = set(planned)
-            self._general_adam([b for b in buckets if b not in done], outs)
-
     def _plannable(self, b: int, direct: bool) -> bool:
         """Bucket ``b``'s launches can be planned once: plain or remainder state, a
         floating param-sync dtype, and a master that is not a per-step copy."""
@@ -298,10 +316,10 @@ class StepMixin:
         return (st.scaled is None and not is_byte_dtype(key[2])
                 and (direct or st.master is not None or st.remainder is not None))
 
-    def _planned_adam(self, buckets, outs) -> None:
+    def _planned_adam(self, phase: Phase, outs) -> None:
+        buckets = phase.planned
         grads = {b: self._grad.buckets[b].shard for b in buckets}
-        key = (tuple((b, outs[b] is None) for b in buckets),
-               tuple(bool(g["bias_correction"]) for g in self.param_groups))
+        key = (phase.plan_key, tuple(bool(g["bias_correction"]) for g in self.param_groups))
         plans = self.__dict__.setdefault("_plans", {})
         plan = plans.get(key)
         if plan is None:
@@ -317,19 +335,35 @@ class StepMixin:
                         self.distributed_rank))
             elif found_inf is not None:
                 outs[b].copy_(st.master)  # a skipped step (device flag) gathers old values
-        pieces = plan.pieces(grads, outs)
+        pieces = None
         hyper = {}
         for launch in plan.launches:
-            lists = launch.fill(pieces)
-            if launch.remainders:
-                lists.append(None)  # no separate output: the bf16 halves are updated in place
             kw = hyper.get(launch.group)
             if kw is None:
                 kw = hyper[launch.group] = self._hyper(launch.group)
+            if launch.native is not None:  # the per-step shards are all it needs
+                launch.native([grads[b] if which == GRAD else outs[b]
+                               for b, which in launch.bases], **kw)
+                continue
+            if pieces is None:
+                pieces = plan.pieces(grads, outs)
+            lists = launch.fill(pieces)
+            if launch.remainders:
+                lists.append(None)  # no separate output: the bf16 halves are updated in place
             if launch.kernel is None:
-                launch.kernel = kernels.adam_implementation(
-                    launch.remainders, lists, kw["bias_correction"])
+                self._choose_kernel(plan, launch, lists, grads, outs, kw["bias_correction"])
             launch.kernel(*lists, **kw)
+
+    @staticmethod
+    def _choose_kernel(plan: StepPlan, launch, lists, grads, outs, bias_correction) -> None:
+        """First call of ``launch``: its implementation and, where that supports it, a
+        native plan that later steps call with the per-step shards only."""
+        launch.kernel = kernels.adam_implementation(launch.remainders, lists, bias_correction)
+        slots, launch.bases = plan.native_slots(launch)
+        fixed = launch.lists + ([None] if launch.remainders else [])
+        launch.native = kernels.adam_plan(
+            launch.kernel, launch.remainders, fixed, slots,
+            [grads[b] if which == GRAD else outs[b] for b, which in launch.bases])
 
     def _build_plan(self, buckets, outs) -> StepPlan:
         pb = PlanBuilder()

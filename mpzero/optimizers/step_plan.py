@@ -73,6 +73,8 @@ class Launch:
     lists: list[list]
     slots: list[tuple[int, int, int, str, int]]
     kernel: Callable | None = None
+    native: Callable | None = None  # kernels.adam_plan: takes the per-step bases only
+    bases: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GRAD|OUT) each
 
     def fill(self, pieces: dict) -> list[list]:
         lists = [list(lst) for lst in self.lists]
@@ -88,6 +90,18 @@ class StepPlan:
     launches: list[Launch]
     cutters: dict[int, Cutter]  # bucket -> how its gradient / output shard is cut
     needs_out: set[int]  # buckets whose shard-sized output buffer is written
+
+    def native_slots(self, launch: Launch) -> tuple[list[tuple[int, int, int, int]],
+                                                    list[tuple[int, str]]]:
+        """``launch``'s per-step slots as ``(list position, entry, base, element offset)``
+        into the distinct per-step tensors ``(bucket, GRAD|OUT)`` it reads (the second
+        list, in base order)."""
+        bases: dict[tuple[int, str], int] = {}
+        slots = []
+        for pos, entry, b, which, j in launch.slots:
+            k = bases.setdefault((b, which), len(bases))
+            slots.append((pos, entry, k, self.cutters[b].ranges[j][0]))
+        return slots, list(bases)
 
     def pieces(self, grads: dict[int, torch.Tensor], outs: dict) -> dict:
         """``(bucket, GRAD|OUT) -> slices`` of this step's gradient and output shards."""
