@@ -441,10 +441,10 @@ class StepMixin:
         return cache[b]
 
     def _writes_params_uncached(self, b: int) -> bool:
+        # (With a contiguous param buffer the shard buffer already is the parameters:
+        # writing them directly saves the per-bucket stale/gather bookkeeping.)
         if self.distributed_size != 1 or self._shards[b].scaled is not None:
             return False
-        if self._param_sync.buckets[b].persistent is not None:
-            return False  # the shard buffer already is the parameters
         sync = self._layouts[b].key[2]
         if is_byte_dtype(sync):
             return False  # the parameters receive the values' top bytes only
