@@ -109,8 +109,7 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
             return torch.autocast(device.type, dtype=torch.bfloat16)
     if setup in BF16_PARAMS:
         precision.cast_parameters(model, torch.bfloat16)
-    if a.compile:
-        compiling.compile_model(model, a.compile_mode)
+    units = compiling.compile_model(model, a.compile_mode) if a.compile else []
     groups = model.param_groups(WEIGHT_DECAY)
     world = dist.get_world_size()
 
@@ -164,7 +163,7 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
             device=device, overlap_grad_sync=True, overlap_param_sync=a.overlap_param_sync,
             bucket_cap_mb=a.bucket_cap_mb,
             grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,
-            store_param_remainders=setup == "dfa-remainders", **HP)
+            store_param_remainders=setup == "dfa-remainders", compiled_units=units, **HP)
         return Wrapped(model, model, opt, autocast=autocast,
                        no_sync=lambda: optim.no_sync(opt), clip=lambda: opt.clip_grad_norm(CLIP))
     raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
@@ -183,7 +182,7 @@ def run(setup: str, a) -> dict | None:
     data = torch.randint(cfg.vocab_size, (total, a.grad_acc, a.micro_batch_size,
                                           cfg.seq_length + 1), generator=gen)
     timer = Timer(device)
-    iter_ms, step_ms, losses = [], [], []
+    marks, losses = [], []  # read after the loop: no host sync inside it, as in training
     for it in range(total):
         batch = data[it].to(device)
         start = timer.mark()
@@ -200,9 +199,11 @@ def run(setup: str, a) -> dict | None:
         w.step()
         end = timer.mark()
         if it >= a.warmup:
-            iter_ms.append(timer.ms(start, end))
-            step_ms.append(timer.ms(backward_end, end))
-        losses.append(float(loss_sum) / a.grad_acc)
+            marks.append((start, backward_end, end))
+        losses.append(loss_sum / a.grad_acc)
+    iter_ms = [timer.ms(s, e) for s, _, e in marks]
+    step_ms = [timer.ms(b, e) for _, b, e in marks]
+    losses = [float(x) for x in losses]
     mem = torch.tensor([logging_utils.memory_gib(device)], device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     if rank != 0:

@@ -239,7 +239,7 @@ AdamScalars make_scalars(double lr, const std::optional<at::Tensor>& lr_t, doubl
   s.step_kind = 0;
   if (step_t.has_value() && step_t->defined()) {
     const at::Tensor& st = *step_t;
-    TORCH_CHECK(st.is_cuda() && st.device() == dev, "mpzero: 'step' must be on ", dev);
+    TORCH_CHECK(st.is_cuda() && st.device() == dev, "mpzero: 'step' must be on ", dev.str());
     TORCH_CHECK(st.numel() == 1, "mpzero: 'step' must have one element");
     switch (st.scalar_type()) {
       case at::kLong: s.step_kind = 0; break;
@@ -250,7 +250,7 @@ AdamScalars make_scalars(double lr, const std::optional<at::Tensor>& lr_t, doubl
     }
     s.step_ptr = st.data_ptr();
   } else if (bias_correction) {
-    TORCH_CHECK(step >= 1, "mpzero: step must be >= 1 with bias correction, got ", step);
+    TORCH_CHECK(step >= 1, "mpzero: step must be >= 1 with bias correction, got ", num(step));
     s.bc1_inv = (float)(1.0 / (1.0 - std::pow(beta1, (double)step)));
     s.bc2_inv = (float)(1.0 / (1.0 - std::pow(beta2, (double)step)));
   }
@@ -340,7 +340,7 @@ void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
       const int64_t k = p[i].numel();
       TORCH_CHECK(g[i].numel() == k && m[i].numel() == k && v[i].numel() == k &&
                       (!has_out || p_out[i].numel() == k),
-                  "mpzero.adam: tensor ", i, " has mismatched element counts");
+                  "mpzero.adam: tensor ", num(i), " has mismatched element counts");
       check_plain_dtypes(pt, m[i].scalar_type(), v[i].scalar_type());
       if (k == 0) continue;
       ptrs.push_back({p[i].data_ptr(), g[i].data_ptr(), m[i].data_ptr(), v[i].data_ptr(),
@@ -389,7 +389,7 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
                              v[i].scalar_type());
       TORCH_CHECK(rem[i].numel() == k && g[i].numel() == k && m[i].numel() == k &&
                       v[i].numel() == k && (!has_out || p_out[i].numel() == k),
-                  "mpzero.adam_remainders: tensor ", i, " has mismatched element counts");
+                  "mpzero.adam_remainders: tensor ", num(i), " has mismatched element counts");
       if (k == 0) continue;
       ptrs.push_back({p[i].data_ptr(), rem[i].data_ptr(), g[i].data_ptr(), m[i].data_ptr(),
                       v[i].data_ptr(), has_out ? p_out[i].data_ptr() : nullptr});
@@ -438,16 +438,16 @@ AdamPlan::AdamPlan(bool remainders,
                    const std::vector<int64_t>& slots, const std::vector<at::Tensor>& dynamic_like)
     : remainders_(remainders), depth_(remainders ? 6 : 5), device_(at::kCPU) {
   const char* what = "mpzero.AdamPlan";
-  TORCH_CHECK(static_cast<int>(lists.size()) == depth_, what, ": expected ", depth_,
-              " argument lists, got ", lists.size());
+  TORCH_CHECK(static_cast<int>(lists.size()) == depth_, what, ": expected ", num(depth_),
+              " argument lists, got ", num(lists.size()));
   const size_t n = lists[0].size();
   const int out = depth_ - 1;
   const bool has_out = !lists[out].empty();
   for (int d = 0; d < depth_; ++d) {
-    TORCH_CHECK(lists[d].size() == n || (d == out && !has_out), what, ": list ", d, " has ",
-                lists[d].size(), " entries, expected ", n);
+    TORCH_CHECK(lists[d].size() == n || (d == out && !has_out), what, ": list ", num(d), " has ",
+                num(lists[d].size()), " entries, expected ", num(n));
   }
-  TORCH_CHECK(slots.size() % 4 == 0, what, ": slots must be 4-tuples, got ", slots.size(),
+  TORCH_CHECK(slots.size() % 4 == 0, what, ": slots must be 4-tuples, got ", num(slots.size()),
               " numbers");
   bool have_device = false;
   auto check_tensor = [&](const at::Tensor& t, const char* kind) {
@@ -457,8 +457,8 @@ AdamPlan::AdamPlan(bool remainders,
       device_ = t.device();
       have_device = true;
     }
-    TORCH_CHECK(t.device() == device_, what, ": every tensor must be on ", device_, ", got ",
-                t.device());
+    TORCH_CHECK(t.device() == device_, what, ": every tensor must be on ", device_.str(), ", got ",
+                t.device().str());
   };
   for (const at::Tensor& t : dynamic_like) {
     check_tensor(t, "per-step");
@@ -473,7 +473,7 @@ AdamPlan::AdamPlan(bool remainders,
   std::vector<std::vector<bool>> filled(n, std::vector<bool>(depth_, false));
   for (size_t e = 0; e < n; ++e) {
     const auto& m = lists[m_pos][e];
-    TORCH_CHECK(m.has_value() && m->defined(), what, ": entry ", e,
+    TORCH_CHECK(m.has_value() && m->defined(), what, ": entry ", num(e),
                 " has no exp_avg tensor (it cannot be a per-step slot)");
     numel_[e] = m->numel();
     for (int d = 0; d < depth_; ++d) {
@@ -484,8 +484,8 @@ AdamPlan::AdamPlan(bool remainders,
       const auto& t = lists[d][e];
       if (!t.has_value() || !t->defined()) continue;
       check_tensor(*t, "fixed");
-      TORCH_CHECK(t->numel() == numel_[e], what, ": entry ", e, ", list ", d, " has ",
-                  t->numel(), " elements, expected ", numel_[e]);
+      TORCH_CHECK(t->numel() == numel_[e], what, ": entry ", num(e), ", list ", num(d), " has ",
+                  num(t->numel()), " elements, expected ", num(numel_[e]));
       refs_[e][d] = Ref{static_cast<int>(fixed_.size()), false, 0};
       fixed_.push_back(*t);
       dtype[e][d] = t->scalar_type();
@@ -495,15 +495,15 @@ AdamPlan::AdamPlan(bool remainders,
   for (size_t k = 0; k < slots.size(); k += 4) {
     const int64_t d = slots[k], e = slots[k + 1], b = slots[k + 2], off = slots[k + 3];
     TORCH_CHECK(d >= 0 && d < depth_ && e >= 0 && e < static_cast<int64_t>(n), what,
-                ": slot (", d, ", ", e, ") out of range");
-    TORCH_CHECK(!filled[e][d], what, ": slot (", d, ", ", e,
+                ": slot (", num(d), ", ", num(e), ") out of range");
+    TORCH_CHECK(!filled[e][d], what, ": slot (", num(d), ", ", num(e),
                 ") is given twice or holds a fixed tensor");
     TORCH_CHECK(b >= 0 && b < static_cast<int64_t>(dynamic_like.size()), what,
-                ": slot (", d, ", ", e, ") names per-step tensor ", b, " of ",
-                dynamic_like.size());
-    TORCH_CHECK(off >= 0 && off + numel_[e] <= dynamic_like[b].numel(), what, ": slot (", d,
-                ", ", e, ") elements [", off, ", ", off + numel_[e],
-                ") exceed per-step tensor ", b, " of ", dynamic_like[b].numel());
+                ": slot (", num(d), ", ", num(e), ") names per-step tensor ", num(b), " of ",
+                num(dynamic_like.size()));
+    TORCH_CHECK(off >= 0 && off + numel_[e] <= dynamic_like[b].numel(), what, ": slot (", num(d),
+                ", ", num(e), ") elements [", num(off), ", ", num(off + numel_[e]),
+                ") exceed per-step tensor ", num(b), " of ", num(dynamic_like[b].numel()));
     refs_[e][d] = Ref{static_cast<int>(b), true, off * dynamic_like[b].element_size()};
     dtype[e][d] = dynamic_dtype_[b];
     dynamic_numel_[b] = std::max(dynamic_numel_[b], off + numel_[e]);
@@ -511,7 +511,7 @@ AdamPlan::AdamPlan(bool remainders,
   }
   for (size_t e = 0; e < n; ++e) {
     for (int d = 0; d < depth_; ++d) {
-      TORCH_CHECK(filled[e][d], what, ": entry ", e, ", list ", d,
+      TORCH_CHECK(filled[e][d], what, ": entry ", num(e), ", list ", num(d),
                   " is None but no slot fills it");
     }
   }
@@ -544,15 +544,15 @@ void AdamPlan::run(const std::vector<at::Tensor>& dynamic, double lr,
                    bool adam_w_mode, bool bias_correction, std::optional<at::Tensor> grad_scale,
                    std::optional<at::Tensor> found_inf) const {
   TORCH_CHECK(dynamic.size() == dynamic_dtype_.size(), "mpzero.AdamPlan.run: expected ",
-              dynamic_dtype_.size(), " per-step tensors, got ", dynamic.size());
+              num(dynamic_dtype_.size()), " per-step tensors, got ", num(dynamic.size()));
   std::vector<char*> bases(dynamic.size());
   for (size_t k = 0; k < dynamic.size(); ++k) {
     const at::Tensor& t = dynamic[k];
     TORCH_CHECK(t.defined() && t.device() == device_ && t.scalar_type() == dynamic_dtype_[k] &&
                     t.is_contiguous() && t.numel() >= dynamic_numel_[k],
-                "mpzero.AdamPlan.run: per-step tensor ", k, " must be a contiguous ",
-                dynamic_dtype_[k], " tensor on ", device_, " of at least ", dynamic_numel_[k],
-                " elements");
+                "mpzero.AdamPlan.run: per-step tensor ", num(k), " must be a contiguous ",
+                dynamic_dtype_[k], " tensor on ", device_.str(), " of at least ",
+                num(dynamic_numel_[k]), " elements");
     bases[k] = static_cast<char*>(t.data_ptr());
   }
   if (groups_.empty()) return;

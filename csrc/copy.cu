@@ -90,8 +90,8 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
   std::vector<int64_t> raw_bytes;
   std::vector<bool> done(n, false);
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(srcs[i].numel() == dsts[i].numel(), "mpzero.multi_copy: pair ", i,
-                " has numel ", srcs[i].numel(), " vs ", dsts[i].numel());
+    TORCH_CHECK(srcs[i].numel() == dsts[i].numel(), "mpzero.multi_copy: pair ", num(i),
+                " has numel ", num(srcs[i].numel()), " vs ", num(dsts[i].numel()));
     if (srcs[i].scalar_type() != dsts[i].scalar_type()) continue;
     done[i] = true;
     if (srcs[i].numel() == 0) continue;

@@ -1,6 +1,7 @@
 // The process-wide launch configuration of the multi-tensor kernels.
 #include <c10/util/Exception.h>
 
+#include "messages.h"
 #include "mpzero.h"
 #include "multi_tensor_apply_config.h"
 
@@ -15,7 +16,7 @@ void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_ele
   LaunchConfig& cfg = launch_config();
   if (threads > 0) {
     TORCH_CHECK(threads % 32 == 0 && threads <= kMaxThreads,
-                "mpzero: threads must be a multiple of 32 and <= ", kMaxThreads);
+                "mpzero: threads must be a multiple of 32 and <= ", num(kMaxThreads));
     cfg.threads = static_cast<int>(threads);
   }
   if (blocks_per_sm >= 0) cfg.blocks_per_sm = static_cast<int>(blocks_per_sm);

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "messages.h"
 #include "multi_tensor_apply_config.h"
 
 namespace mpzero {
@@ -332,10 +333,10 @@ inline int64_t chunk_elems(int64_t scale = 1, int V = kVec) {
 
 inline void check_list(const std::vector<at::Tensor>& l, const char* what, size_t n,
                        const at::Device& dev) {
-  TORCH_CHECK(l.size() == n, "mpzero: list '", what, "' has ", l.size(), " tensors, expected ", n);
+  TORCH_CHECK(l.size() == n, "mpzero: list '", what, "' has ", num(l.size()), " tensors, expected ", num(n));
   for (const auto& t : l) {
     TORCH_CHECK(t.is_cuda(), "mpzero: '", what, "' tensors must be CUDA tensors");
-    TORCH_CHECK(t.device() == dev, "mpzero: '", what, "' tensors must be on ", dev);
+    TORCH_CHECK(t.device() == dev, "mpzero: '", what, "' tensors must be on ", dev.str());
     TORCH_CHECK(t.is_contiguous(), "mpzero: '", what, "' tensors must be contiguous");
   }
 }
@@ -343,7 +344,7 @@ inline void check_list(const std::vector<at::Tensor>& l, const char* what, size_
 inline const float* scalar_ptr(const std::optional<at::Tensor>& t, const char* what,
                                const at::Device& dev) {
   if (!t.has_value() || !t->defined()) return nullptr;
-  TORCH_CHECK(t->is_cuda() && t->device() == dev, "mpzero: '", what, "' must be on ", dev);
+  TORCH_CHECK(t->is_cuda() && t->device() == dev, "mpzero: '", what, "' must be on ", dev.str());
   TORCH_CHECK(t->scalar_type() == at::kFloat, "mpzero: '", what, "' must be float32");
   TORCH_CHECK(t->numel() == 1, "mpzero: '", what, "' must have one element");
   return t->data_ptr<float>();

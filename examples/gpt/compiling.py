@@ -10,11 +10,15 @@
 
 Only the ``forward`` methods are replaced (an instance attribute), not the modules:
 the state-dict keys stay the same (no ``_orig_mod.`` prefix, so checkpoints move
-freely between compiled and eager runs), and the module's own hooks — the
-optimizer's forward pre-hooks of ``--overlap-param-sync`` — run eagerly around the
-compiled code. DistributedFusedAdam's per-parameter post-accumulate-grad hooks
-are unaffected: the parameters stay leaves of the eager autograd graph, whose
-AccumulateGrad nodes fire the hooks after each compiled backward region.
+freely between compiled and eager runs), and the module's own hooks run eagerly
+around the compiled code. So the optimizer's forward pre-hooks of
+``--overlap-param-sync`` go on the compiled modules themselves
+(``DistributedFusedAdam.attach(unit, unit=True)``, one hook gathering the whole block),
+never inside them: there every distinct hook would make dynamo recompile (24 blocks
+exceed its recompile limit and the blocks fall back to eager). DistributedFusedAdam's
+per-parameter post-accumulate-grad hooks are unaffected: the parameters stay leaves of
+the eager autograd graph, whose AccumulateGrad nodes fire the hooks after each compiled
+backward region.
 The optimizer step is not compiled.
 """
 
@@ -25,19 +29,21 @@ import torch
 MODES = ("block", "model")
 
 
-def compile_model(model: torch.nn.Module, mode: str = "block", **options) -> torch.nn.Module:
-    """Compile ``model``'s blocks or its whole forward in place; returns ``model``.
+def compile_model(model: torch.nn.Module, mode: str = "block",
+                  **options) -> list[torch.nn.Module]:
+    """Compile ``model``'s blocks or its whole forward in place; returns the modules
+    whose ``forward`` is now compiled (the units to attach the optimizer's hooks to).
 
     ``options`` go to ``torch.compile`` (e.g. ``fullgraph``, ``backend``)."""
     if mode not in MODES:
         raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
     if mode == "model":
         model.forward = torch.compile(model.forward, **options)
-        return model
+        return [model]
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError("compile mode 'block' needs a model with .blocks")
     for block in blocks:
         block.forward = torch.compile(block.forward, **options)
-    return model
+    return list(blocks)
 

@@ -20,7 +20,7 @@ Gradient accumulation sums in fp32 either way unless ``--grad-sync-dtype bf16``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -175,14 +175,18 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
                     overlap_grad_sync: bool = True, overlap_param_sync: bool = False,
                     bucket_cap_mb: float = 100.0, grad_sync_dtype: torch.dtype | None = None,
                     param_sync_dtype: torch.dtype | None = None,
-                    store_param_remainders: bool = False):
+                    store_param_remainders: bool = False,
+                    compiled_units: Sequence[torch.nn.Module] = ()):
     """The optimizer over ``model.param_groups(weight_decay)`` wired to parallel_state.
 
     ``grad_sync_dtype``/``param_sync_dtype`` None: fp32 gradients, and parameters
     gathered in their own dtype (bf16 parameters in bf16: the same values as rounding
     the fp32 masters after gathering them, at half the traffic).
     ``store_param_remainders``: DistributedFusedAdam keeps the fp32 masters of bf16
-    parameters as the parameter plus an int16 remainder (``store_params=False``)."""
+    parameters as the parameter plus an int16 remainder (``store_params=False``).
+    ``compiled_units``: the modules whose forward is compiled; with
+    ``overlap_param_sync`` each gets one forward pre-hook for all its parameters
+    (``attach(unit, unit=True)``) instead of hooks inside the compiled code."""
     groups = model.param_groups(weight_decay)
     mp_group = parallel_state.get_model_parallel_group()
     if name == "adamw":
@@ -199,15 +203,20 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
     if param_sync_dtype is None:
         dtypes = {p.dtype for g in groups for p in g["params"]}
         param_sync_dtype = dtypes.pop() if len(dtypes) == 1 else None
-    return DistributedFusedAdam(
+    opt = DistributedFusedAdam(
         groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True,
         device=device, dtype=torch.float32, grad_sync_dtype=grad_sync_dtype,
         param_sync_dtype=param_sync_dtype,
         store_params=not store_param_remainders, store_param_remainders=store_param_remainders,
         overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
-        module=model if overlap_param_sync else None, bucket_cap_mb=bucket_cap_mb,
-        model_parallel_group=mp_group, **parallel_state.get_optimizer_process_groups(),
+        bucket_cap_mb=bucket_cap_mb, model_parallel_group=mp_group,
+        **parallel_state.get_optimizer_process_groups(),
     )
+    if overlap_param_sync:
+        for unit in compiled_units:
+            opt.attach(unit, unit=True)
+        opt.attach(model)
+    return opt
 
 
 def no_sync(optimizer):

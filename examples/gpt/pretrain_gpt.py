@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model = GPT(cfg).to(device)
     precision.cast_parameters(model, precision.param_dtype(args))
-    if args.compile:
-        compiling.compile_model(model, args.compile_mode or "block",
-                                backend=args.compile_backend)
+    compiled = (compiling.compile_model(model, args.compile_mode or "block",
+                                        backend=args.compile_backend)
+                if args.compile else [])
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
     optimizer = optim.build_optimizer(
         args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay,
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         bucket_cap_mb=args.bucket_cap_mb,
         grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None,
         param_sync_dtype=dtypes[args.param_sync_dtype],
-        store_param_remainders=args.store_param_remainders)
+        store_param_remainders=args.store_param_remainders, compiled_units=compiled)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)

@@ -173,7 +173,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self._fingerprint_checked = False
         self._warned_no_module = False
         self._module_hooks: list = []
-        self._attached: list[torch.nn.Module] = []
+        self._attached: list[tuple[torch.nn.Module, bool]] = []  # (module, unit)
         self._comm = comm.CommContext(device, pipeline_size)
         # capturable: each group's lr is a 0-dim device tensor that the kernels read and
         # LR schedulers update in place (``group["lr"].fill_(...)``), so a CUDA graph
@@ -220,12 +220,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         for p in self.param_groups[gi]["params"]:
             self._register_param(p, gi)
         if self._attached:  # the forward pre-hooks must know the new parameters too
-            modules, self._attached = self._attached, []
-            for h in self._module_hooks:
-                h.remove()
-            self._module_hooks = []
-            for m in modules:
-                self.attach(m)
+            self._hook_modules()
 
     def parameters(self) -> list[torch.Tensor]:
         """Every parameter of every param group, in order."""
@@ -316,18 +311,46 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         if self._built and self._param_sync.pending():
             self._param_sync.sync_all()
 
-    def attach(self, module: torch.nn.Module) -> None:
+    def attach(self, module: torch.nn.Module, *, unit: bool = False) -> None:
         """Drive ``overlap_param_sync`` from ``module``'s forward pre-hooks: each
         submodule gathers the buckets of its own parameters (prefetching one ahead)
-        just before its forward runs."""
+        just before its forward runs.
+
+        ``unit=True``: one pre-hook on ``module`` itself gathers every parameter under
+        it, and its submodules get no hook (also not from other ``attach`` calls, in
+        either order). Use it for a module whose ``forward`` is ``torch.compile``'d:
+        its own hooks run eagerly around the compiled code, while its submodules'
+        hooks would run inside it, where each distinct hook splits the graph or
+        forces a recompilation (e.g. ``attach(block, unit=True)`` for each compiled
+        transformer block, then ``attach(model)`` for the rest)."""
         torch_compat.warn_if_wrapped_in_ddp(module)
-        self._attached.append(module)
-        for m in module.modules():
-            owned = [self._index[id(p)] for p in m.parameters(recurse=False)
-                     if id(p) in self._index]
-            if owned:
+        self._attached.append((module, bool(unit)))
+        self._hook_modules()
+
+    def _hook_modules(self) -> None:
+        """(Re)register the forward pre-hooks of every attached module."""
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+        units = [m for m, unit in self._attached if unit]
+        covered = {id(sub) for u in units for sub in u.modules() if sub is not u}
+        hooked: set[int] = set()
+
+        def hook(m: torch.nn.Module, params) -> None:
+            owned = tuple(self._index[id(p)] for p in params if id(p) in self._index)
+            if owned and id(m) not in hooked and id(m) not in covered:
+                hooked.add(id(m))
                 self._module_hooks.append(m.register_forward_pre_hook(
-                    _weak_hook(self, "_pre_forward", tuple(owned))))
+                    _weak_hook(self, "_pre_forward", owned)))
+
+        for u in units:
+            hook(u, u.parameters())
+        unit_ids = {id(u) for u in units}
+        for module, unit in self._attached:
+            if not unit:
+                for m in module.modules():
+                    if id(m) not in unit_ids:
+                        hook(m, m.parameters(recurse=False))
 
     def _pre_forward(self, owned, module, args) -> None:
         if self._built and self._param_sync.pending():
