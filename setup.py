@@ -85,7 +85,10 @@ def _extensions():
         library_dirs=lib,
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20"],
-            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
+            # MPZERO_NVCC_FLAGS: extra nvcc flags for experiments (e.g.
+            # -DMPZERO_STREAMING_HINTS, see csrc/multi_tensor_apply.cuh)
+            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
+                     *os.environ.get("MPZERO_NVCC_FLAGS", "").split()],
         },
         extra_link_args=["-ldl"],  # nccl_allocator.cpp: dlopen/dlsym (libc itself on glibc>=2.34)
     )

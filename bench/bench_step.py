@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -187,6 +188,8 @@ def init_world(args, port: int) -> None:
 def main() -> None:
     ap = setup_args(__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None, help="also write the rows here (bench/plot_step.py "
+                    "draws them)")
     args = ap.parse_args()
     init_world(args, 29533)
     print(f"torch {torch.__version__}, {args.device}, {args.layers} x Linear({args.hidden}, "
@@ -204,6 +207,13 @@ def main() -> None:
         print(f"| {r['name']:<34} | {r['ms']:>8.2f} | {r['host_ms']:>8.2f} | "
               f"{r['peak_gib']:>8.2f} |")
     print(f"params: {results[0]['params'] / 1e6:.1f}M; copy bandwidth {floor['tbps']:.2f} TB/s")
+    if args.json:
+        meta = dict(torch=torch.__version__, device=str(args.device), layers=args.layers,
+                    hidden=args.hidden, reps=args.reps,
+                    gpu=torch.cuda.get_device_name(args.device) if args.device.type == "cuda"
+                    else "cpu")
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=results, floor=floor), f, indent=1)
     dist.destroy_process_group()
 
 

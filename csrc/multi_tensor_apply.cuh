@@ -74,17 +74,31 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// 16-byte vector loads and stores. With -DMPZERO_STREAMING_HINTS (an experiment, off by
+// default) they carry the evict-first cache hint (ld.global.cs / st.global.cs).
+#ifdef MPZERO_STREAMING_HINTS
+template <class V>
+__device__ __forceinline__ V vload(const V* p) { return __ldcs(p); }
+template <class V>
+__device__ __forceinline__ void vstore(V* p, const V& v) { __stcs(p, v); }
+#else
+template <class V>
+__device__ __forceinline__ V vload(const V* p) { return *p; }
+template <class V>
+__device__ __forceinline__ void vstore(V* p, const V& v) { *p = v; }
+#endif
+
 // Load 8 consecutive elements (p must be 16-byte aligned) as fp32.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
   if constexpr (sizeof(T) == 4) {
-    const float4 a = reinterpret_cast<const float4*>(p)[0];
-    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    const float4 a = vload(reinterpret_cast<const float4*>(p));
+    const float4 b = vload(reinterpret_cast<const float4*>(p) + 1);
     r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
     r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint4 u = vload(reinterpret_cast<const uint4*>(p));
     const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) r[j] = to_float(e[j]);
@@ -95,21 +109,21 @@ __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&r)[kVec]) {
   if constexpr (sizeof(T) == 4) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(r[0], r[1], r[2], r[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(r[4], r[5], r[6], r[7]);
+    vstore(reinterpret_cast<float4*>(p), make_float4(r[0], r[1], r[2], r[3]));
+    vstore(reinterpret_cast<float4*>(p) + 1, make_float4(r[4], r[5], r[6], r[7]));
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
     uint4 u;
     T* e = reinterpret_cast<T*>(&u);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) e[j] = from_float<T>(r[j]);
-    *reinterpret_cast<uint4*>(p) = u;
+    vstore(reinterpret_cast<uint4*>(p), u);
   }
 }
 
 // 8 raw 16-bit values (bf16 bits, int16 remainders).
 __device__ __forceinline__ void load8_u16(const void* p, uint32_t (&r)[kVec]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint4 u = vload(reinterpret_cast<const uint4*>(p));
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -123,7 +137,7 @@ __device__ __forceinline__ void store8_u16(void* p, const uint32_t (&r)[kVec]) {
   u.y = (r[2] & 0xFFFFu) | (r[3] << 16);
   u.z = (r[4] & 0xFFFFu) | (r[5] << 16);
   u.w = (r[6] & 0xFFFFu) | (r[7] << 16);
-  *reinterpret_cast<uint4*>(p) = u;
+  vstore(reinterpret_cast<uint4*>(p), u);
 }
 
 // Output dtype chosen at run time (keeps template instantiations down).

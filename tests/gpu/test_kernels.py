@@ -517,3 +517,18 @@ def test_adam_remainders_bit_exact_vs_reference(gdt):
     reference.adam_remainders(*ref, **BASE)
     for a, b in zip([t for lst in lists for t in lst], [t for lst in ref for t in lst]):
         assert _same_bits(a, b)
+
+
+def test_argument_errors_raise_with_their_numbers():
+    """Bad arguments raise RuntimeError naming the numbers (no crash: see csrc/messages.h)."""
+    x = torch.zeros(8, device=DEV)
+    with pytest.raises(RuntimeError, match="list 'grads' has 2 tensors, expected 1"):
+        kc.adam([x], [x, x], [x], [x], None, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,
+                weight_decay=0.0, step=1)
+    with pytest.raises(RuntimeError, match="step must be >= 1 with bias correction, got 0"):
+        kc.adam([x], [x], [x], [x], None, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8,
+                weight_decay=0.0, step=0)
+    with pytest.raises(RuntimeError, match="pair 0 has numel 8 vs 4"):
+        kc.multi_copy([x], [x[:4]])
+    with pytest.raises(RuntimeError, match="multiple of 32 and <= "):
+        kc.set_launch_config(threads=33)

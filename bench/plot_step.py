@@ -1,0 +1,53 @@
+"""Draw ``bench/bench_step.py --json`` results: step time per setup against the copy floor.
+
+    python bench/bench_step.py --json step.json
+    python bench/plot_step.py step.json --out docs/img/step_modes.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot(result: dict, out: str) -> None:
+    rows, floor, meta = result["rows"], result["floor"], result["meta"]
+    names = [r["name"] for r in rows]
+    ms = [r["ms"] for r in rows]
+    colors = ["#9e9e9e" if n.startswith("torch") else "#1f77b4" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    y = range(len(rows))[::-1]
+    ax.barh(list(y), ms, color=colors)
+    for yi, t in zip(y, ms):
+        ax.text(t + 0.03, yi, f"{t:.2f}", va="center", fontsize=9)
+    ax.axvline(floor["ms"], color="#d62728", linestyle="--",
+               label=f"copy floor, 28 B/param ({floor['ms']:.2f} ms, {floor['tbps']:.2f} TB/s)")
+    ax.set_yticks(list(y), names, fontsize=9)
+    ax.set_xlabel("optimizer step, ms (median)")
+    ax.set_xlim(0, max(ms) * 1.15)
+    ax.set_title(f"{rows[0]['params'] / 1e6:.1f}M parameters ({meta['layers']} x Linear"
+                 f"({meta['hidden']}, {meta['hidden']})), {meta['gpu']}, torch {meta['torch']}",
+                 fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="bench_step.py --json output")
+    ap.add_argument("--out", default="step_modes.png")
+    a = ap.parse_args()
+    with open(a.json) as f:
+        plot(json.load(f), a.out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
