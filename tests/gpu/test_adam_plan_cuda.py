@@ -150,17 +150,18 @@ def test_plan_argument_errors():
 # ------------------------------------------------------------- DistributedFusedAdam
 
 
-def _dfa_with_and_without_plans(mode):
+def _dfa_with_and_without_plans(mode, device="cuda"):
     from mpzero import kernels
     from mpzero.optimizers import DistributedFusedAdam
 
-    torch.set_default_device("cuda")
+    torch.set_default_device(device)
     try:
         opts = dict(
             default=dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16),
             remainders=dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16,
-                            store_param_remainders=True),
-            contiguous=dict(contiguous_param_buffer=True, contiguous_grad_buffer=True),
+                            store_params=False, store_param_remainders=True),
+            contiguous=dict(grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16,
+                            contiguous_param_buffer=True, contiguous_grad_buffer=True),
             capturable=dict(capturable=True, grad_sync_dtype=torch.bfloat16),
         )[mode]
         results, natives = [], []
@@ -185,7 +186,8 @@ def _dfa_with_and_without_plans(mode):
             natives.append(sum(launch.native is not None for plan in opt._plans.values()
                                for launch in plan.launches))
             results.append([p.detach().clone() for p in model.parameters()])
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return natives, all(torch.equal(a, b) for a, b in zip(*results))
     finally:
         torch.set_default_device("cpu")
