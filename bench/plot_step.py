@@ -20,20 +20,22 @@ def plot(result: dict, out: str) -> None:
     names = [r["name"] for r in rows]
     ms = [r["ms"] for r in rows]
     colors = ["#9e9e9e" if n.startswith("torch") else "#1f77b4" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 2.2))
     y = range(len(rows))[::-1]
     ax.barh(list(y), ms, color=colors)
     for yi, t in zip(y, ms):
         ax.text(t + 0.03, yi, f"{t:.2f}", va="center", fontsize=9)
     ax.axvline(floor["ms"], color="#d62728", linestyle="--",
-               label=f"copy floor, 28 B/param ({floor['ms']:.2f} ms, {floor['tbps']:.2f} TB/s)")
+               label=f"copy floor, 28 B/param ({floor['ms']:.2f} ms at {floor['tbps']:.2f} TB/s)")
+    ax.axvline(floor["ms"] * 24 / 28, color="#d62728", linestyle=":",
+               label=f"24 B/param, the remainders' traffic ({floor['ms'] * 24 / 28:.2f} ms)")
     ax.set_yticks(list(y), names, fontsize=9)
     ax.set_xlabel("optimizer step, ms (median)")
     ax.set_xlim(0, max(ms) * 1.15)
     ax.set_title(f"{rows[0]['params'] / 1e6:.1f}M parameters ({meta['layers']} x Linear"
                  f"({meta['hidden']}, {meta['hidden']})), {meta['gpu']}, torch {meta['torch']}",
                  fontsize=10)
-    ax.legend(loc="lower right", fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.12), fontsize=9, ncol=1)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
