@@ -22,7 +22,7 @@ GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
 import checkpointing  # noqa: E402
-import data  # noqa: E402
+from gpt_test_data import prepared_corpus  # noqa: E402
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
@@ -80,10 +80,7 @@ def wait_for(out: Path, text: str, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    out = tmp_path_factory.getbasetemp() / "gpt-faults-data"
-    if not data.is_prepared(out):
-        data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=512), out, quiet=True)
-    return out
+    return prepared_corpus(tmp_path_factory, "gpt-faults-data", 0.5, 512)
 
 
 @pytest.fixture(scope="module")

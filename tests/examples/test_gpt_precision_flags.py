@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
-import data  # noqa: E402
 import pretrain_gpt  # noqa: E402
+from gpt_test_data import prepared_corpus  # noqa: E402
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -39,10 +39,7 @@ COMPILE_REL = 2e-3
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    out = tmp_path_factory.getbasetemp() / "gpt-precision-data"
-    if not data.is_prepared(out):
-        data.prepare(data.CorpusConfig(max_mb=0.3, vocab_size=256), out, quiet=True)
-    return out
+    return prepared_corpus(tmp_path_factory, "gpt-precision-data", 0.3, 256)
 
 
 def run(args: list[str], log: Path, nproc: int = 1, timeout: float = 240) -> str:

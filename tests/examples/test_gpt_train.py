@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
-import data  # noqa: E402
+from gpt_test_data import prepared_corpus  # noqa: E402
 from plot_log import plot, read_log  # noqa: E402
 
 # Every test here runs real torchrun jobs (2-4 ranks, ~1 min on 2 cores): `make test` only.
@@ -48,9 +48,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    out = tmp_path_factory.getbasetemp() / "gpt-train-data"
-    data.prepare(data.CorpusConfig(max_mb=1.0, vocab_size=1024), out, quiet=True)
-    return out
+    return prepared_corpus(tmp_path_factory, "gpt-train-data", 1.0, 1024)
 
 
 @pytest.fixture(scope="module")
