@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpointing import atomic_write_bytes
 from corpus import (
     FORMAT_VERSION,
     TEXT_SUFFIXES,
@@ -67,7 +68,6 @@ from indexed_dataset import (
     INDEX_MAGIC,
     INDEX_VERSION,
     IndexedDataset,
-    _atomic_write,
     load_indexed_splits,
     prepare_indexed,
     split_documents,
@@ -161,13 +161,13 @@ def prepare(cfg: CorpusConfig, output: str | Path, *, force: bool = False,
         for doc, start in zip(ids, starts[:-1]):
             tokens[start:start + len(doc)] = doc
             tokens[start + len(doc)] = tokenizer.eot_id
-        _atomic_write(out / f"{name}.bin", tokens.tobytes())
+        atomic_write_bytes(out / f"{name}.bin", tokens.tobytes())
         np.save(out / f"{name}_doc_offsets.npy", starts)
         meta["splits"][name] = {"file": f"{name}.bin", "tokens": int(tokens.size),
                                 "documents": len(texts),
                                 "doc_offsets": f"{name}_doc_offsets.npy",
                                 "sha256": _sha256(out / f"{name}.bin")}
-    _atomic_write(out / "meta.json", json.dumps(meta, indent=1).encode())
+    atomic_write_bytes(out / "meta.json", json.dumps(meta, indent=1).encode())
     if not quiet:
         s = meta["splits"]
         print(f"data: wrote {out}: {kind} vocab {tokenizer.vocab_size}, train "

@@ -15,18 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpointing import atomic_write_bytes
 from corpus import CorpusConfig, iter_documents
 from tokenizing import BPETokenizer, ByteTokenizer, tokenizer_from_file
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 # Megatron's indexed dataset: PREFIX.bin holds the token ids of every sequence back
 # to back; PREFIX.idx is the index, little-endian:
@@ -75,7 +66,7 @@ def write_indexed_dataset(prefix: str | Path, documents, dtype=np.uint16) -> Non
     header = (INDEX_MAGIC + struct.pack("<Q", INDEX_VERSION) + struct.pack("<B", code)
               + struct.pack("<Q", len(sizes)) + struct.pack("<Q", len(doc_idx)))
     os.replace(tmp_bin, bin_path)
-    _atomic_write(idx_path, header + sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+    atomic_write_bytes(idx_path, header + sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
 
 
 class IndexedDataset:
