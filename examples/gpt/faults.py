@@ -34,6 +34,10 @@ class TrainingAborted(RuntimeError):
     """The run cannot continue (too many skipped iterations)."""
 
 
+class SaveFailed(RuntimeError):
+    """Writing a checkpoint failed (disk full, file-size limit, I/O error...)."""
+
+
 class FaultGuard:
     """Per-run state: pending exit signal, deadline, consecutive skipped steps."""
 
@@ -112,13 +116,14 @@ def run_guarded(main, argv=None) -> None:
     except TrainingAborted as e:
         print(f"rank {_rank()}: training aborted: {e}", file=sys.stderr, flush=True)
         _exit(1)
+    except SaveFailed as e:
+        traceback.print_exc()
+        print(f"rank {_rank()}: {e}", file=sys.stderr, flush=True)
+        _exit(1)
     except (RuntimeError, OSError) as e:  # DistBackendError, gloo/NCCL connection errors
         text = str(e)
-        lowered = text.lower()
-        comm = any(w in lowered for w in ("connection", "gloo", "nccl", "timed out",
-                                          "timeout", "peer", "broken pipe", "distbackend"))
         traceback.print_exc()
-        if comm:
+        if is_comm_error(e):
             print(f"rank {_rank()}: a collective failed: another rank died or did not "
                   "answer within --dist-timeout; exiting. Relaunch with --load to resume "
                   f"from the last checkpoint. ({text.splitlines()[0] if text else ''})",
@@ -127,6 +132,13 @@ def run_guarded(main, argv=None) -> None:
             print(f"rank {_rank()}: failed: {text.splitlines()[0] if text else e!r}",
                   file=sys.stderr, flush=True)
         _exit(1)
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """``e`` reads like a failed collective (a rank died, a timeout, a broken connection)."""
+    lowered = str(e).lower()
+    return any(w in lowered for w in ("connection", "gloo", "nccl", "timed out", "timeout",
+                                      "peer", "broken pipe", "distbackend"))
 
 
 def _exit(status: int) -> None:

@@ -490,9 +490,20 @@ def main(argv: list[str] | None = None) -> None:
     t_interval, iters_interval = time.perf_counter(), 0
 
     def save(it: int) -> None:
-        checkpointing.save_checkpoint(args.save, it, model, optimizer,
-                                      data_state=sampler.state_dict(), args=vars(args),
-                                      ckpt_format=args.ckpt_format)
+        try:
+            checkpointing.save_checkpoint(args.save, it, model, optimizer,
+                                          data_state=sampler.state_dict(), args=vars(args),
+                                          ckpt_format=args.ckpt_format)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is no Exception
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_comm_error(e):
+                raise  # another rank died: run_guarded says so
+            first = (str(e).strip().splitlines() or [repr(e)])[-1]
+            kept = checkpointing.read_latest(args.save)
+            raise faults.SaveFailed(
+                f"saving checkpoint iter {it} to {args.save} failed ({first}); "
+                + (f"the last complete checkpoint, {kept.name}, is unchanged and stays the "
+                   "resume point" if kept is not None else "no earlier checkpoint exists")
+                + ": free space (or fix the error) and relaunch with --load") from e
 
     def run_eval(it: int) -> None:
         val = evaluate(model, val_tokens, args, device, autocast)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -36,8 +37,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None) -> list:
-    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun)."""
+def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
+           preexec: dict | None = None) -> list:
+    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun);
+    ``preexec``: rank -> function run in that rank's process before it starts."""
     port = str(_port())
     procs = []
     for r in range(n):
@@ -46,7 +49,8 @@ def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None) ->
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}))
         log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed by the caller's wait
         procs.append((subprocess.Popen([sys.executable, str(GPT), *TINY, *args], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                       preexec_fn=(preexec or {}).get(r)), log))
     return procs
 
 
@@ -135,6 +139,44 @@ def test_no_valid_checkpoint_stops_every_rank_with_the_same_error(saved, data_di
     for t in text:
         assert "verifies on every rank" in t and "iter_0000002" in t and "iter_0000004" in t
     assert "rng_rank00001.pt is missing" in text[0]
+
+
+def _file_size_limit(nbytes: int):
+    def apply() -> None:  # in the child: writes past nbytes fail with EFBIG (Python
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))  # ignores SIGXFSZ)
+    return apply
+
+
+@pytest.mark.timeout(300)
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(saved, data_dir, tmp_path):
+    """A save whose write fails half-way (rank 1 may write no file over 64 KiB, so its
+    optimizer shard fails as on a full disk): every rank exits non-zero naming the save,
+    ``latest`` and the checkpoints already there are untouched, and a relaunch resumes
+    from the last complete save and reports the unfinished one."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    latest = (ckpt / "latest").read_bytes()
+    manifest = (ckpt / "iter_0000004" / "manifest.json").read_bytes()
+    out = tmp_path / "full"
+    out.mkdir()
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "6", "--save-interval",
+                       "2", "--save", str(ckpt), "--load", str(ckpt), "--dist-timeout", "30"],
+                   out, preexec={1: _file_size_limit(64 << 10)})
+    codes = wait_all(procs, 150)
+    text = logs(out, 2)
+    assert None not in codes and codes[0] != 0 and codes[1] != 0, (codes, text)
+    # DCP shares the writing rank's failure with every rank: all say what stays safe.
+    for t in text:
+        assert "saving checkpoint iter 6 to" in t and "failed" in t, t[-3000:]
+        assert "iter_0000004, is unchanged and stays the resume point" in t, t[-3000:]
+    assert "saved checkpoint iter 6" not in text[0]
+    assert (ckpt / "latest").read_bytes() == latest
+    assert (ckpt / "iter_0000004" / "manifest.json").read_bytes() == manifest
+    codes, text = _resume(data_dir, ckpt, tmp_path)
+    assert codes == [0, 0], text
+    assert "loaded checkpoint iter 4 from" in text[0]
+    if (ckpt / "iter_0000006").exists():  # the unfinished save is reported, not loaded
+        assert "iter_0000006" in text[0], text[0][-3000:]
 
 
 @pytest.mark.timeout(300)
