@@ -43,6 +43,7 @@ def test_failing_rank_traceback_then_fresh_world(world):
     assert [r[1] for r in world(2, _rank_and_sum)] == [3.0, 3.0]
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 def test_hang_becomes_timeout():
     with World(2) as w:
         t0 = time.time()

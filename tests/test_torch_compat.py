@@ -208,6 +208,7 @@ def _collective_cases():
     return out
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 def test_collective_entry_world3(world):
     res = world(3, _collective_cases, timeout=60)
     for r, out in enumerate(res):

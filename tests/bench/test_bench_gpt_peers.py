@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "bench_gpt_peers.py"
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(120)
 def test_cpu_smoke_two_setups(tmp_path):
     out = tmp_path / "peers.json"

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(180)
 def test_cpu_table_json_and_plot(tmp_path):
     out, png = tmp_path / "step.json", tmp_path / "step.png"

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test runs real multi-process jobs of the example: `make test` only.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))

@@ -148,6 +148,7 @@ def _torchrun(nproc, extra, log):
     return [json.loads(line) for line in open(log) if '"train"' in line]
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(300)
 def test_pretrain_with_data_path_and_llama_flags_tp2_sp_equals_tp1(indexed, tmp_path):
     root, _, _ = indexed

@@ -80,6 +80,7 @@ def test_llama_options_are_tp_equal(world):
             assert loss_err <= 1e-6 and grad_err <= 1e-6 and same_names, (name, r)
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(120)
 def test_gqa_tp4(world):
     """2 groups over TP=4: each KV group replicated on two ranks; 4 groups: split."""

@@ -179,6 +179,7 @@ CLI = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--no-progress"]
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path, precision):

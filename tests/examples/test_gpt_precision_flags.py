@@ -83,6 +83,7 @@ def test_compile_mode_without_compile_warns(capsys):
     assert "--compile-mode model has no effect without --compile" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(300)
 def test_bf16_and_compiled_runs_track_eager(data_dir, tmp_path):
     common = ["--data-dir", str(data_dir), "--train-iters", "4"]
