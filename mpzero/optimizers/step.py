@@ -282,9 +282,10 @@ class StepMixin:
         # Where one rank holds the whole bucket the kernels write the parameters
         # themselves (no shard buffer, no gather, no copy-out).
         direct = {b: self._writes_params(b) for b in buckets}
-        planned = [b for b in buckets if self._plannable(b, direct[b])]
+        plannable = {b: self._plannable(b, direct[b]) for b in buckets}
+        planned = [b for b in buckets if plannable[b]]
         return Phase(buckets, [b for b in buckets if not direct[b]], start, planned,
-                     [b for b in buckets if b not in set(planned)],
+                     [b for b in buckets if not plannable[b]],
                      tuple((b, direct[b]) for b in planned))
 
     def _local_step(self, found_inf: torch.Tensor | None = None) -> None:
@@ -342,8 +343,7 @@ class StepMixin:
             if kw is None:
                 kw = hyper[launch.group] = self._hyper(launch.group)
             if launch.native is not None:  # the per-step shards are all it needs
-                launch.native([grads[b] if which == GRAD else outs[b]
-                               for b, which in launch.bases], **kw)
+                launch.native(launch.per_step(grads, outs), **kw)
                 continue
             if pieces is None:
                 pieces = plan.pieces(grads, outs)
@@ -361,9 +361,8 @@ class StepMixin:
         launch.kernel = kernels.adam_implementation(launch.remainders, lists, bias_correction)
         slots, launch.bases = plan.native_slots(launch)
         fixed = launch.lists + ([None] if launch.remainders else [])
-        launch.native = kernels.adam_plan(
-            launch.kernel, launch.remainders, fixed, slots,
-            [grads[b] if which == GRAD else outs[b] for b, which in launch.bases])
+        launch.native = kernels.adam_plan(launch.kernel, launch.remainders, fixed, slots,
+                                          launch.per_step(grads, outs))
 
     def _build_plan(self, buckets, outs) -> StepPlan:
         pb = PlanBuilder()
@@ -435,14 +434,9 @@ class StepMixin:
         through the sync is the kernel's output cast to their dtype (the param-sync
         dtype is theirs, or fp32, the kernel's own precision, or they are the bf16
         halves of remainders)."""
-        cache = self.__dict__.setdefault("_writes_params_cache", {})
-        if b not in cache:
-            cache[b] = self._writes_params_uncached(b)
-        return cache[b]
-
-    def _writes_params_uncached(self, b: int) -> bool:
-        # (With a contiguous param buffer the shard buffer already is the parameters:
-        # writing them directly saves the per-bucket stale/gather bookkeeping.)
+        # Called once per bucket (the phases are cached). With a contiguous param buffer
+        # the shard buffer already is the parameters: writing them directly saves the
+        # per-bucket stale/gather bookkeeping.
         if self.distributed_size != 1 or self._shards[b].scaled is not None:
             return False
         sync = self._layouts[b].key[2]

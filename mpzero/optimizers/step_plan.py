@@ -7,7 +7,10 @@ Only the reduced gradient shards and the shard-sized output buffers are new tens
 each step. A :class:`StepPlan` keeps the static argument lists and, per bucket, the
 split sizes that cut the new tensors into the slices the lists need: one ``split``
 per bucket and step instead of a Python slice per fragment and list, and the
-kernel implementation chosen once instead of dtype/device checks per call.
+kernel implementation chosen once instead of dtype/device checks per call. Where the
+implementation has a native plan (the CUDA kernels, ``kernels.adam_plan``), later
+steps skip the split too: the native plan holds the static lists and takes only the
+per-step tensors (``Launch.per_step``).
 
 The state tensors are never replaced (loading copies into them) and the
 parameters' storage does not move after the layout is made, so a plan stays valid
@@ -75,6 +78,10 @@ class Launch:
     kernel: Callable | None = None
     native: Callable | None = None  # kernels.adam_plan: takes the per-step bases only
     bases: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GRAD|OUT) each
+
+    def per_step(self, grads: dict, outs: dict) -> list[torch.Tensor]:
+        """This step's tensors of ``bases``, in order (what ``native`` is called with)."""
+        return [grads[b] if which == GRAD else outs[b] for b, which in self.bases]
 
     def fill(self, pieces: dict) -> list[list]:
         lists = [list(lst) for lst in self.lists]
