@@ -87,7 +87,7 @@ def _free_port() -> int:
 def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
     out = ["--setup", setup, "--result", str(result)]
     for key in (*SHAPE_FLAGS, "grad_acc", "warmup", "iters", "seed", "compile_mode",
-                "grad_sync_dtype", "bucket_cap_mb", "peak_tflops"):
+                "grad_sync_dtype", "bucket_cap_mb", "peak_tflops", "attention_backend"):
         value = getattr(a, key)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]

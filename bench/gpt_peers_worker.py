@@ -52,7 +52,7 @@ import compiling  # noqa: E402
 import logging_utils  # noqa: E402
 import optim  # noqa: E402
 import precision  # noqa: E402
-from model import GPT, GPTConfig, flops_per_token  # noqa: E402
+from model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
 
 SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
 BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16
@@ -175,7 +175,8 @@ def run(setup: str, a) -> dict | None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
         if not a.cpu else torch.device("cpu")
     cfg = GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
-                    hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads)
+                    hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                    attention_backend=a.attention_backend)
     w = build(setup, cfg, device, a)
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each DP rank its own data
     total = a.warmup + a.iters
@@ -217,6 +218,7 @@ def run(setup: str, a) -> dict | None:
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in logging_utils.PEAK_BF16_TFLOPS.items() if k in name), None)
     return {"setup": setup, "compile": a.compile_mode if a.compile else None, "world": world,
+            "attention_backend": a.attention_backend,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
@@ -236,6 +238,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--vocab-size", type=int, default=50304)
     g.add_argument("--grad-acc", type=int, default=1, help="micro-batches per iteration")
+    g.add_argument("--attention-backend", choices=["auto", *ATTENTION_BACKENDS], default="auto",
+                   help="SDPA kernel of every setup (the example's flag)")
     g = p.add_argument_group("run")
     g.add_argument("--warmup", type=int, default=5, help="untimed iterations (compilation)")
     g.add_argument("--iters", type=int, default=20, help="timed iterations")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mpzero import tensor_parallel as tp
 from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank, tp_world_size
@@ -63,6 +64,7 @@ class GPTConfig:
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
+    attention_backend: str = "auto"  # SDPA kernel: "auto" (torch picks) or ATTENTION_BACKENDS
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -76,6 +78,7 @@ class GPTConfig:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be "
                              f"divisible by num_query_groups ({self.num_query_groups})")
         choices = {"recompute_granularity": (None, "full", "selective"),
+                   "attention_backend": ("auto", *ATTENTION_BACKENDS),
                    "position_embedding_type": ("learned_absolute", "rope"),
                    "normalization": ("LayerNorm", "RMSNorm")}
         for name, allowed in choices.items():
@@ -103,6 +106,12 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
     multiple = math.lcm(divisible_by, tensor_model_parallel_size)
     return -(-vocab_size // multiple) * multiple
 
+
+# --attention-backend: the one SDPA kernel the attention core may use ("auto": torch's
+# own choice, flash first). cuDNN's fused attention is the fastest on Hopper for the
+# head sizes of GPT models; a backend that cannot run the inputs raises torch's error.
+ATTENTION_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                      "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 SEQ_DIM = 1  # activations are batch-first, (B, T, h); sequence parallelism splits T
 
@@ -186,6 +195,7 @@ class CausalSelfAttention(nn.Module):
         self.local_heads = tp.divide(nh, tp_size, "num_attention_heads")
         self.head_dim, hd = cfg.head_dim, cfg.head_dim
         self.dropout = cfg.dropout
+        self.sdpa_backend = ATTENTION_BACKENDS.get(cfg.attention_backend)  # None: auto
         self.selective_recompute = cfg.recompute_granularity == "selective"
         self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
@@ -230,6 +240,12 @@ class CausalSelfAttention(nn.Module):
         return q, k, v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.sdpa_backend is None:
+            return self._sdpa(q, k, v)
+        with sdpa_kernel(self.sdpa_backend):
+            return self._sdpa(q, k, v)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         gqa = {"enable_gqa": True} if self.gqa else {}
         if self.training and self.dropout > 0:
             # Heads differ per TP rank: their dropout masks come from the per-rank RNG.

@@ -51,7 +51,13 @@ import data  # noqa: E402
 import logging_utils  # noqa: E402
 import optim  # noqa: E402
 import precision  # noqa: E402
-from model import GPT, GPTConfig, flops_per_token, padded_vocab_size  # noqa: E402
+from model import (  # noqa: E402
+    ATTENTION_BACKENDS,
+    GPT,
+    GPTConfig,
+    flops_per_token,
+    padded_vocab_size,
+)
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
@@ -79,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-backend", choices=["auto", *ATTENTION_BACKENDS], default="auto",
+                   help="the SDPA kernel of the attention core (auto: torch's choice, "
+                        "cuDNN or flash on Hopper; math: the reference, any device)")
     g.add_argument("--disable-bias-linear", action="store_true",
                    help="no biases in the linear layers (the norms keep theirs)")
     g.add_argument("--sequence-parallel", action="store_true",
@@ -287,7 +296,8 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      swiglu=args.swiglu, num_query_groups=args.num_query_groups,
                      untie_embeddings_and_output_weights=
                          args.untie_embeddings_and_output_weights,
-                     add_bias_linear=not args.disable_bias_linear)
+                     add_bias_linear=not args.disable_bias_linear,
+                     attention_backend=args.attention_backend)
 
 
 def lr_at(iteration: int, args) -> float:

@@ -11,6 +11,12 @@ Gradients are added into the bucket's full-size buffer in the gradient-sync
 dtype; once the bucket syncs only the reduced local shard is kept (it
 accumulates over several syncs until :meth:`GradSync.reset`).
 
+A fresh buffer is not zeroed: the first gradient of each fragment is *copied* in
+(cast to the sync dtype: one pass, where zero-then-add is three), later ones are
+added, and what nothing wrote (alignment padding, parameters without a gradient) is
+zeroed just before the buffer is read. The contiguous grad buffer keeps the zeroed
+semantics (a user may write into ``grad_buffer_view()`` between rounds).
+
 Ordering rule (no deadlocks): a *round* launches every bucket exactly once, in
 index order. A complete bucket waits until every bucket before it has launched
 in the current round; :meth:`GradSync.flush` launches the rest in order, with
@@ -68,6 +74,10 @@ class GradBucket:
         self._pending: Pending | None = None
         self._incoming: torch.Tensor | None = None
         self._params = set(layout.params)
+        # Lazily zeroed buffer: the fragments (by parameter) written since it was fresh;
+        # None when the whole buffer holds defined values (zeros or gradients).
+        self._written: set[int] | None = None
+        self._gaps = _gaps(layout)  # bucket ranges no fragment covers
 
     def _assert_state(self, *states: GradState) -> None:
         if self.state not in states:
@@ -97,16 +107,39 @@ class GradBucket:
             # the user wrote into grad_buffer_view() since then is part of this round.
             self.buffer = self.persistent
         else:
-            self.buffer = torch.zeros(self.layout.size, dtype=self.dtype, device=self.device)
+            self.buffer = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
+            self._written = set()
         self.arrived = set()
         self.state = GradState.FILLING
 
     def add(self, fragment: Fragment, grad_flat: torch.Tensor) -> None:
-        """Add one fragment of a gradient into the buffer (cast to the sync dtype)."""
+        """Add one fragment of a gradient into the buffer (cast to the sync dtype);
+        the fragment's first gradient into a fresh buffer is copied."""
         if self.state is not GradState.FILLING:
             self.start_fill()
         view = self.buffer[fragment.bucket_start : fragment.bucket_end]
-        view.add_(grad_flat[fragment.param_start : fragment.param_end].to(self.dtype))
+        grad = grad_flat[fragment.param_start : fragment.param_end]
+        written = self._written
+        if written is not None and fragment.param not in written:
+            written.add(fragment.param)
+            view.copy_(grad)  # the cast of .to(dtype), in place
+        elif _exact_cast(grad.dtype, self.dtype):
+            view.add_(grad)  # mixed-dtype add: the same sums without a cast copy
+        else:
+            view.add_(grad.to(self.dtype))  # round to the sync dtype first, as ever
+
+    def _define(self) -> None:
+        """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""
+        written, self._written = self._written, None
+        if written is None or self.buffer is None:
+            return
+        ranges = list(self._gaps) + [(f.bucket_start, f.bucket_end)
+                                     for f in self.layout.fragments if f.param not in written]
+        views = [self.buffer[a:b] for a, b in ranges if b > a]
+        if len(views) == 1:
+            views[0].zero_()
+        elif views:
+            torch._foreach_zero_(views)
 
     def mark_arrived(self, param: int) -> None:
         self.arrived.add(param)
@@ -116,6 +149,7 @@ class GradBucket:
         """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
         if self.state is not GradState.FILLING:
             self.start_fill()
+        self._define()
         if self.local_only:
             # One rank in both groups: the bucket buffer is already the reduced shard.
             self._incoming = self.buffer
@@ -169,9 +203,34 @@ class GradBucket:
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
             self._shard = None
         elif self.local_only and self._shard is not None and self._shard is not self.persistent:
-            self._shard.zero_()  # the next round fills it in place
+            self._written = set()  # the next round fills it in place (copies, then adds)
         self.launched_since_reset = False
         self.state = GradState.EMPTY
+
+
+def _gaps(layout: BucketLayout) -> tuple[tuple[int, int], ...]:
+    """The ranges of the bucket that no fragment covers (alignment and shard padding)."""
+    gaps, cursor = [], 0
+    for f in sorted(layout.fragments, key=lambda f: f.bucket_start):
+        if f.bucket_start > cursor:
+            gaps.append((cursor, f.bucket_start))
+        cursor = max(cursor, f.bucket_end)
+    if layout.size > cursor:
+        gaps.append((cursor, layout.size))
+    return tuple(gaps)
+
+
+_FLOAT_BITS = {torch.float16: (5, 10), torch.bfloat16: (8, 7), torch.float32: (8, 23),
+               torch.float64: (11, 52)}  # (exponent, mantissa) bits
+
+
+def _exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every ``src`` value is exactly a ``dst`` value (so adding ``src``
+    into ``dst`` equals adding its cast)."""
+    if src == dst:
+        return True
+    a, b = _FLOAT_BITS.get(src), _FLOAT_BITS.get(dst)
+    return a is not None and b is not None and a[0] <= b[0] and a[1] <= b[1]
 
 
 class GradSync:
