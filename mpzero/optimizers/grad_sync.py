@@ -107,7 +107,7 @@ class GradBucket:
             # the user wrote into grad_buffer_view() since then is part of this round.
             self.buffer = self.persistent
         else:
-            self.buffer = torch.empty(self.layout.size, dtype=self.dtype, device=self.device)
+            self.buffer = _fresh_buffer(self.layout.size, self.dtype, self.device)
             self._written = set()
         self.arrived = set()
         self.state = GradState.FILLING
@@ -206,6 +206,11 @@ class GradBucket:
             self._written = set()  # the next round fills it in place (copies, then adds)
         self.launched_since_reset = False
         self.state = GradState.EMPTY
+
+
+def _fresh_buffer(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A bucket buffer whose contents are undefined (the fill defines every element)."""
+    return torch.empty(size, dtype=dtype, device=device)
 
 
 def _gaps(layout: BucketLayout) -> tuple[tuple[int, int], ...]:

@@ -1,0 +1,158 @@
+"""Gradient buckets filled without zeroing: first gradient copied, the rest added, and
+every element nothing wrote (alignment padding, parameters without a gradient) zeroed
+before the buffer is read.
+
+The fresh buffers are poisoned with NaN here (``grad_sync._fresh_buffer`` patched), and
+at world 1 the reused shard with the previous step's gradients, so any element the
+fill fails to define reaches the step or the gradient norm and breaks the comparison
+with ``torch.optim.AdamW`` (tolerances: ``dfa_common.RTOL``/``ATOL``).
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mpzero.optimizers import DistributedFusedAdam, grad_sync
+
+from dfa_common import ATOL, RTOL, batches, make_model
+
+TINY = 24 * 4 / 2**20  # several buckets, parameters split across them
+LR, WD = 1e-2, 0.01
+
+
+@contextlib.contextmanager
+def poisoned_buffers():
+    """Fresh bucket buffers full of NaN instead of whatever memory held."""
+    original = grad_sync._fresh_buffer
+
+    def poisoned(size, dtype, device):
+        return torch.full((size,), float("nan"), dtype=dtype, device=device)
+
+    grad_sync._fresh_buffer = poisoned
+    try:
+        yield
+    finally:
+        grad_sync._fresh_buffer = original
+
+
+def _skip(step: int, micro: int) -> set[str]:
+    """Module names left out of micro-batch ``micro`` of ``step`` (no gradient there)."""
+    return {0: {"fc2"}, 1: set(), 2: {"fc2"} if micro == 0 else set()}[step % 3]
+
+
+def _loss(model, x, y, skip):
+    h = model.norm(torch.tanh(model.fc1(x)))
+    if "fc2" not in skip:
+        h = torch.nn.functional.gelu(model.fc2(h)) + h
+    return torch.nn.functional.mse_loss(model.head(h), y, reduction="sum")
+
+
+def _reference(world, data, steps, micro):
+    """AdamW over the mean over ranks of the summed micro-batch losses; a parameter no
+    micro-batch reached is stepped with a zero gradient (as DistributedFusedAdam does)."""
+    ref = make_model(unused=True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = sum(_loss(ref, *data[s][r][m], _skip(s, m))
+                   for r in range(world) for m in range(micro))
+        (loss / world).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+        opt.step()
+    return ref, norms
+
+
+def _filled(micro: int, greedy: bool, capturable: bool = False):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    steps = 4
+    data = batches(world, steps, micro)
+    model = make_model(unused=True)  # `unused` never gets a gradient
+    opt = DistributedFusedAdam(model.parameters(), lr=LR, weight_decay=WD, bucket_cap_mb=TINY,
+                               capturable=capturable)
+    norms = []
+    with poisoned_buffers():
+        for s in range(steps):
+            opt.zero_grad()
+            if s and world == 1:  # a kept shard (capturable) is the next round's buffer
+                for bucket in opt._grad.buckets:
+                    if bucket._shard is not None:
+                        bucket._shard.fill_(float("nan"))
+            for m in range(micro):
+                last = m == micro - 1
+                ctx = contextlib.nullcontext() if last else opt.no_sync(greedy_grad_copy=greedy)
+                with ctx:
+                    _loss(model, *data[s][rank][m], _skip(s, m)).backward()
+            norms.append(opt.clip_grad_norm(1e9))
+            opt.step()
+    ref, ref_norms = _reference(world, data, steps, micro)
+    for n, ours in zip(ref_norms, norms):
+        torch.testing.assert_close(ours, n, rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.isfinite(p).all(), name
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_fresh_buffers_are_defined_everywhere(world, size):
+    """One micro-batch per step; some steps leave parameters out."""
+    assert all(world(size, _filled, 1, False, timeout=120))
+
+
+def test_kept_shard_is_refilled(world):
+    """capturable at world 1: the reduced shard keeps its address across steps and is
+    the next round's bucket buffer; after zero_grad nothing of it may survive."""
+    assert all(world(1, _filled, 2, True, True, timeout=120))
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["grads-held", "greedy-copy"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_accumulation_copies_first_then_adds(world, size, greedy):
+    """Two micro-batches under ``no_sync()``: with ``greedy_grad_copy`` the first
+    micro-batch's gradients are copied into the buckets and the second's added; a
+    parameter reached only by the second micro-batch is copied then."""
+    assert all(world(size, _filled, 2, greedy, timeout=120))
+
+
+def test_bucket_add_matches_zero_then_add():
+    """One bucket, bitwise: copying the first gradient and adding the rest equals the
+    zero-filled buffer plus the sum of each gradient cast to the sync dtype, for a
+    narrower gradient (bf16 into fp32: added without a cast copy) and a wider one
+    (fp32 into bf16: rounded before the add)."""
+    from mpzero.optimizers.layout import layout_buckets
+
+    layouts = layout_buckets([(0, 7, "k"), (1, 13, "k")], distributed_size=1,
+                             capacity={"k": 64}, alignment={"k": 8})
+    (layout,) = layouts
+    for grad_dtype, sync_dtype in [(torch.bfloat16, torch.float32),
+                                   (torch.float32, torch.bfloat16)]:
+        torch.manual_seed(0)
+        grads = [[torch.randn(n).to(grad_dtype) for n in (7, 13)] for _ in range(3)]
+        bucket = grad_sync.GradBucket(layout, sync_dtype, torch.device("cpu"), 0)
+        with poisoned_buffers():
+            bucket.start_fill()
+            for round_ in grads:
+                for f in layout.fragments:
+                    bucket.add(f, round_[f.param])
+            bucket._define()
+        expected = torch.zeros(layout.size, dtype=sync_dtype)
+        for round_ in grads:
+            for f in layout.fragments:
+                expected[f.bucket_start:f.bucket_end] += \
+                    round_[f.param][f.param_start:f.param_end].to(sync_dtype)
+        assert torch.equal(bucket.buffer, expected), (grad_dtype, sync_dtype)
+
+
+def test_exact_cast():
+    assert grad_sync._exact_cast(torch.bfloat16, torch.float32)
+    assert grad_sync._exact_cast(torch.float16, torch.float32)
+    assert grad_sync._exact_cast(torch.float32, torch.float32)
+    assert not grad_sync._exact_cast(torch.float32, torch.bfloat16)
+    assert not grad_sync._exact_cast(torch.float16, torch.bfloat16)  # fp16 has more mantissa
+    assert not grad_sync._exact_cast(torch.bfloat16, torch.float16)  # and bf16 more exponent
