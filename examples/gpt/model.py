@@ -438,6 +438,12 @@ class GPT(nn.Module):
             logits = F.linear(x, self.wte.weight)  # (B, T, V/tp)
         if targets is None:
             return logits
+        return self.cross_entropy(logits, targets)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``: its own method, so
+        ``--compile`` compiles it next to the blocks (eager, its chunk loop launches
+        about ten kernels per chunk over the largest activation of the model)."""
         loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group)  # (B, T)
         return loss.mean()
 
