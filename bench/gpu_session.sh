@@ -3,6 +3,7 @@
 # measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
+#                             [profile] [peers] [peers-eager]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -10,6 +11,10 @@
 #              --ckpt-format; the example's own "saved/loaded checkpoint ... in X s" lines + size
 #   recompute: examples/gpt/bench_options.py at the 1.3B shape, micro-batch 8 (peak memory and
 #              time of no recompute / selective / full)
+#   profile:   bench/profile_gpt.py, the 1.3B dfa setup compiled (blocks, then the whole model):
+#              device time per kernel class
+#   peers:     bench/bench_gpt_peers.py --compile, dfa setups against torch and FSDP2 (1.3B)
+#   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -71,6 +76,16 @@ for s in $stages; do
           stage ckpt-torch ckpt torch ;;
     recompute) stage recompute python3 examples/gpt/bench_options.py --micro-batch 8 \
                  --warmup 2 --iters 5 --variants default selective full ;;
+    profile) stage profile-block python3 bench/profile_gpt.py --setup dfa --compile \
+               --compile-mode block --warmup 3 --profile-iters 3
+             stage profile-model python3 bench/profile_gpt.py --setup dfa --compile \
+               --compile-mode model --warmup 3 --profile-iters 3 ;;
+    peers) stage peers python3 bench/bench_gpt_peers.py --compile \
+             --setups dfa,dfa-remainders,adamw,fsdp2,torch --warmup 5 --iters 12 \
+             --json "$OUT/peers_compiled.json" ;;
+    peers-eager) stage peers-eager python3 bench/bench_gpt_peers.py \
+                   --setups torch,ddp,zero1,fsdp2,dfa,dfa-remainders,adamw --warmup 3 --iters 12 \
+                   --json "$OUT/peers_eager.json" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
