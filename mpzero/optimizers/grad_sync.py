@@ -133,8 +133,10 @@ class GradBucket:
         written, self._written = self._written, None
         if written is None or self.buffer is None:
             return
-        ranges = list(self._gaps) + [(f.bucket_start, f.bucket_end)
-                                     for f in self.layout.fragments if f.param not in written]
+        ranges = list(self._gaps)
+        if len(written) < len(self._params):  # some parameters got no gradient
+            ranges += [(f.bucket_start, f.bucket_end)
+                       for f in self.layout.fragments if f.param not in written]
         views = [self.buffer[a:b] for a, b in ranges if b > a]
         if len(views) == 1:
             views[0].zero_()
