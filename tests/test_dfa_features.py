@@ -381,6 +381,22 @@ def test_init_params_and_bucket(world):
     assert all(world(2, _init_params_order))
 
 
+def _own_buckets(sync):
+    params = [torch.nn.Parameter(torch.randn(10)) for _ in range(3)]
+    opt = DistributedFusedAdam(params, param_sync_dtype=sync)
+    opt.init_params_bucket([params[0]])
+    opt.init_params_bucket([params[1]])
+    opt.init_params([params[2]])
+    opt._ensure_layout()
+    return [[f.param for f in lay.fragments] for lay in opt._layouts]
+
+
+@pytest.mark.parametrize("sync", [None, torch.int16, torch.int64], ids=str)
+def test_init_params_bucket_any_sync_dtype(world, sync):
+    """Fresh buckets also where byte-level sync keys buckets by the parameter's dtype."""
+    assert world(1, _own_buckets, sync) == [[[0], [1], [2]]]
+
+
 def _scheduler_and_groups():
     model = make_model()
     opt = DistributedFusedAdam(model.parameters(), lr=1.0, bucket_cap_mb=TINY)

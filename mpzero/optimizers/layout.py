@@ -182,9 +182,11 @@ class LayoutBuilder:
         self.buckets[bucket] = BucketLayout(bucket, key, min(shard_size, shrunk),
                                             self.distributed_size, tuple(frags))
 
-    def close_all(self) -> None:
+    def close_all(self, prefix: tuple | None = None) -> None:
+        """End every open bucket, or those whose key starts with ``prefix``."""
         for key in list(self._open):
-            self.close(key)
+            if prefix is None or key[:len(prefix)] == prefix:
+                self.close(key)
 
     def finished(self) -> list[BucketLayout]:
         """Close every open bucket and return all buckets in index order."""

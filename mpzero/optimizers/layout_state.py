@@ -122,9 +122,10 @@ class LayoutMixin:
         """Lay out ``params`` in fresh bucket(s) of their own that communicate together."""
         key = self._bucket_key(dtype, grad_sync_dtype, param_sync_dtype)
         builder = self._layout_builder()
-        builder.close(key)
+        # Byte-level sync files buckets under key + (parameter dtype,): close those too.
+        builder.close_all(prefix=key)
         self.init_params(params, dtype, grad_sync_dtype, param_sync_dtype)
-        builder.close(key)
+        builder.close_all(prefix=key)
 
     def _ensure_layout(self) -> None:
         if self._built:
