@@ -158,7 +158,8 @@ class CommContext:
                 full.copy_(shard)
             return DONE
         if shard.dtype not in _GATHER_DTYPES:
-            # Neither NCCL nor gloo moves int16: an all-gather only moves bytes.
+            # Neither NCCL nor gloo moves int16 (nor gloo the wide unsigned types): an
+            # all-gather only moves bytes.
             shard, full = shard.view(torch.uint8), full.view(torch.uint8)
         if self.is_cuda:
             stream = self._stream()

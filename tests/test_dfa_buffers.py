@@ -123,7 +123,8 @@ def _byte_sync(param_dtype_name, sync_dtype_name):
 
 
 @pytest.mark.parametrize("pdt,sdt", [("float32", "int32"), ("float16", "uint8"),
-                                     ("float32", "int16"), ("bfloat16", "int8")])
+                                     ("float32", "int16"), ("bfloat16", "int8"),
+                                     ("float32", "uint16"), ("float16", "uint32")])
 def test_byte_level_param_sync(world, pdt, sdt):
     assert all(world(2, _byte_sync, pdt, sdt))
 
@@ -162,7 +163,8 @@ def _wide_byte_sync_is_exact(param_dtype_name, sync_dtype_name):
 
 
 @pytest.mark.parametrize("pdt,sdt", [("float32", "int64"), ("bfloat16", "int32"),
-                                     ("float16", "int64")])
+                                     ("float16", "int64"), ("float32", "uint64"),
+                                     ("bfloat16", "uint32")])
 def test_byte_sync_wider_than_param_is_lossless(world, pdt, sdt):
     assert all(world(2, _wide_byte_sync_is_exact, pdt, sdt))
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BYTE_SYNC_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# Integer param-sync dtypes of every width, signed and unsigned (torch >= 2.3 has the
+# wider unsigned ones): their bytes are what travels.
+BYTE_SYNC_DTYPES = tuple(d for d in (getattr(torch, n, None) for n in (
+    "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64")) if d is not None)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float64: "float64"}
 
