@@ -120,6 +120,28 @@ def test_accumulation_copies_first_then_adds(world, size, greedy):
     assert all(world(size, _filled, 2, greedy, timeout=120))
 
 
+def _staged_released():
+    """The staged first copies are made, and the gradients let go, as each bucket
+    completes in the backward pass (no_sync keeps nothing staged either)."""
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=LR, bucket_cap_mb=TINY)
+    x, y = batches(dist.get_world_size(), 1, 1)[0][dist.get_rank()][0]
+    for _ in range(2):
+        opt.zero_grad()
+        with opt.no_sync(greedy_grad_copy=True):
+            _loss(model, x, y, set()).backward()
+        assert all(not b._staged[0] for b in opt._grad.buckets)
+        _loss(model, x, y, set()).backward()
+        assert len(opt._grad.buckets) > 2
+        assert all(not b._staged[0] for b in opt._grad.buckets)
+        opt.step()
+    return True
+
+
+def test_staged_copies_released_per_bucket(world):
+    assert all(world(2, _staged_released, timeout=120))
+
+
 def test_bucket_add_matches_zero_then_add():
     """One bucket, bitwise: copying the first gradient and adding the rest equals the
     zero-filled buffer plus the sum of each gradient cast to the sync dtype, for a

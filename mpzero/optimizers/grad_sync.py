@@ -14,8 +14,13 @@ accumulates over several syncs until :meth:`GradSync.reset`).
 A fresh buffer is not zeroed: the first gradient of each fragment is *copied* in
 (cast to the sync dtype: one pass, where zero-then-add is three), later ones are
 added, and what nothing wrote (alignment padding, parameters without a gradient) is
-zeroed just before the buffer is read. The contiguous grad buffer keeps the zeroed
-semantics (a user may write into ``grad_buffer_view()`` between rounds).
+zeroed just before the buffer is read. The first copies are staged and made together,
+one multi-tensor cast per bucket (``torch._foreach_copy_``), when the bucket is
+complete, before anything adds to it, or before it is read; so a staged gradient lives
+until its bucket completes (at most the incomplete buckets' gradients); with
+``capturable`` each copy is made at once (a captured step must not read them). The contiguous
+grad buffer keeps the zeroed semantics (a user may write into ``grad_buffer_view()``
+between rounds).
 
 Ordering rule (no deadlocks): a *round* launches every bucket exactly once, in
 index order. A complete bucket waits until every bucket before it has launched
@@ -78,6 +83,7 @@ class GradBucket:
         # None when the whole buffer holds defined values (zeros or gradients).
         self._written: set[int] | None = None
         self._gaps = _gaps(layout)  # bucket ranges no fragment covers
+        self._staged: tuple[list, list] = ([], [])  # first copies to make: (dst, src)
 
     def _assert_state(self, *states: GradState) -> None:
         if self.state not in states:
@@ -122,14 +128,34 @@ class GradBucket:
         written = self._written
         if written is not None and fragment.param not in written:
             written.add(fragment.param)
-            view.copy_(grad)  # the cast of .to(dtype), in place
-        elif _exact_cast(grad.dtype, self.dtype):
+            if self.stable_shard:
+                # capturable: copy now, so a step captured in a CUDA graph never reads
+                # the (then freed) gradient tensors of a bucket still incomplete.
+                view.copy_(grad)
+            else:
+                self._staged[0].append(view)  # the cast of .to(dtype), made later in place
+                self._staged[1].append(grad)
+            return
+        self.copy_staged()
+        if _exact_cast(grad.dtype, self.dtype):
             view.add_(grad)  # mixed-dtype add: the same sums without a cast copy
         else:
             view.add_(grad.to(self.dtype))  # round to the sync dtype first, as ever
 
+    def copy_staged(self) -> None:
+        """Make the staged first copies: one multi-tensor cast for all of them."""
+        dst, src = self._staged
+        if not dst:
+            return
+        self._staged = ([], [])
+        if len(dst) == 1:
+            dst[0].copy_(src[0])
+        else:
+            torch._foreach_copy_(dst, src)
+
     def _define(self) -> None:
         """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""
+        self.copy_staged()
         written, self._written = self._written, None
         if written is None or self.buffer is None:
             return
@@ -200,6 +226,7 @@ class GradBucket:
             self.finish_sync()
         if self.persistent is not None:
             self.persistent.zero_()
+        self._staged = ([], [])  # dropped gradients need no copy
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
@@ -279,6 +306,8 @@ class GradSync:
                 self._finish(bucket)  # a new round for a bucket still in flight
             bucket.add(f, flat)
             bucket.mark_arrived(param)
+            if bucket.complete:
+                bucket.copy_staged()  # every gradient is in: release them
 
     # -- launching -----------------------------------------------------------------
     def round_active(self) -> bool:
