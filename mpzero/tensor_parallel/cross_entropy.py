@@ -45,6 +45,20 @@ def _adjust_to_gradient(p: torch.Tensor, local_target: torch.Tensor, inside: tor
     return p.scatter_add_(-1, local_target.unsqueeze(-1), hit)
 
 
+def _store_softmax_gradient(exp: torch.Tensor, sum_exp: torch.Tensor,
+                            local_target: torch.Tensor, inside: torch.Tensor,
+                            out: torch.Tensor) -> None:
+    """``out`` (logits' dtype) = ``exp / sum_exp - onehot(target)`` for one chunk, no
+    label smoothing: the fp32 softmax is rounded straight into ``out`` (no second fp32
+    pass), then each row's target entry is rewritten from its fp32 value. The same
+    values as rounding :func:`_adjust_to_gradient`'s fp32 result."""
+    total = sum_exp.unsqueeze(-1)
+    torch.div(exp, total, out=out)
+    idx = local_target.unsqueeze(-1)
+    hit = inside.to(exp.dtype).neg_().unsqueeze(-1)  # -1 where this rank has the target
+    out.scatter_(-1, idx, exp.gather(-1, idx).div_(total).add_(hit).to(out.dtype))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group, need_grad, chunk_elements):
@@ -85,8 +99,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp = exp.sum(dim=-1)
             stats[rows, -1] = sum_exp
             if world == 1 and grad is not None:  # the whole row is here: gradient now
-                p = exp.div_(sum_exp.unsqueeze(-1))
-                grad[rows] = _adjust_to_gradient(p, lt, inside[rows], eps, vocab_size)
+                if eps > 0.0:
+                    p = exp.div_(sum_exp.unsqueeze(-1))
+                    grad[rows] = _adjust_to_gradient(p, lt, inside[rows], eps, vocab_size)
+                else:
+                    _store_softmax_gradient(exp, sum_exp, lt, inside[rows], grad[rows])
 
         if world > 1:
             dist.all_reduce(stats, group=group)  # the sums do not depend on each other

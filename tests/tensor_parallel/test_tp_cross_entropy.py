@@ -144,3 +144,35 @@ def _check_chunked(tp):
 @pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2)])
 def test_chunked_bf16_matches_full_cross_entropy(world, world_size, tp):
     assert all(world(world_size, _check_chunked, tp))
+
+
+
+def _stored_gradient(dtype_name):
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(3)
+    logits = (4.0 * torch.randn(6, 257, generator=gen)).to(dtype)
+    target = torch.randint(257, (6,), generator=gen)
+    target[2] = 257  # outside the vocabulary: its row keeps the plain softmax
+    m = logits.amax(-1).float()
+    exp = torch.sub(logits, m.unsqueeze(-1)).float().exp()
+    p = exp / exp.sum(-1, keepdim=True)
+    inside = target < 257
+    p[torch.arange(6)[inside], target[inside]] -= 1.0
+    expected = p.to(dtype)
+    for rows in (1, 4, 6):
+        x = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(x, target, chunk_elements=rows * 257)
+        loss.backward(torch.ones_like(loss))
+        assert torch.equal(x.grad, expected), rows
+    ps.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_stored_gradient_is_the_rounded_fp32_gradient(world, dtype):
+    """TP=1 without label smoothing the softmax is rounded straight into the stored
+    gradient and the target entries rewritten: bit for bit the fp32 ``softmax -
+    onehot`` (computed as the chunk loop does) rounded once to the logits' dtype, for
+    chunks that split the tokens and for an out-of-range target (no one-hot)."""
+    assert all(world(1, _stored_gradient, dtype))
