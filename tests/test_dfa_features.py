@@ -431,6 +431,30 @@ def test_mismatched_models_fail_loudly(world):
     assert all(world(2, _mismatched_models, timeout=60))
 
 
+def _mismatched_added_group(count: bool):
+    """A param group added after construction differs across ranks (in shape, or only
+    rank 1 adds one): the layout's check catches it before any collective of the layout."""
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    if count:
+        extra = torch.nn.Linear(3, 2) if rank == 1 else None
+    else:
+        extra = torch.nn.Linear(3, 2 if rank == 0 else 4)
+    if extra is not None:
+        opt.add_param_group({"params": list(extra.parameters())})
+    with pytest.raises(RuntimeError, match="different parameters"):
+        x, y = batches(dist.get_world_size(), 1, 1)[0][rank][0]
+        loss_fn(model, x, y).backward()
+        opt.step()
+    return True
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["shape", "count"])
+def test_mismatched_added_group_fails_loudly(world, count):
+    assert all(world(2, _mismatched_added_group, count, timeout=60))
+
+
 def _bad_grid():
     with pytest.raises(ValueError, match=r"process_group size \(2\).*\(2\).*\(2\)"):
         DistributedFusedAdam(make_model().parameters(), distributed_process_group=dist.group.WORLD,

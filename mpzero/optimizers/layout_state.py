@@ -139,6 +139,9 @@ class LayoutMixin:
                 f"DistributedFusedAdam: only {100 * utilization(layouts):.0f}% of bucket elements "
                 "hold parameters (alignment padding). Consider decreasing the bucket_cap_mb "
                 "argument.", stacklevel=user_stacklevel())
+        # Again, on every rank: param groups may have been added since construction (on
+        # some ranks only), and the broadcast below must not run on mismatched lists.
+        self._check_fingerprint(force=True)
         self._broadcast_params()  # replicas start from the first rank's values
         rank = self.distributed_rank
         self._nccl_pool = None
@@ -327,9 +330,10 @@ class LayoutMixin:
         else:
             kernels.multi_copy(srcs, dsts)
 
-    def _check_fingerprint(self) -> None:
-        """Fail loudly (on every rank) when ranks have different parameters."""
-        if self._fingerprint_checked:
+    def _check_fingerprint(self, force: bool = False) -> None:
+        """Fail loudly (on every rank) when ranks have different parameters. A collective:
+        ``force`` only where every rank calls it (the constructor, the layout)."""
+        if self._fingerprint_checked and not force:
             return
         self._fingerprint_checked = True
         if comm.group_size(self.process_group) == 1:
