@@ -170,7 +170,6 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self._grad_scale = torch.ones((), dtype=torch.float32, device=device)
         self._grad_scaled = False  # _grad_scale != 1 (clipping or an unscale folded in)
         self._norm_cache: tuple[int, torch.Tensor] | None = None
-        self._fingerprint_checked = False
         self._warned_no_module = False
         self._module_hooks: list = []
         self._attached: list[tuple[torch.nn.Module, bool]] = []  # (module, unit)
@@ -283,7 +282,6 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
     def grad_sync(self) -> None:
         """Synchronize every gradient not yet synchronized (all ranks must call it)."""
         self._ensure_layout()
-        self._check_fingerprint()
         self._copy_pending_grads()
         self._grad.flush()  # bumps the gradient version (the norm cache key) if it syncs
 
@@ -373,7 +371,6 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         # Fail in bounded time, not hang, when only some ranks call it (e.g. rank 0 alone).
         torch_compat.check_collective_entry("state_dict()", self.process_group)
         self._ensure_layout()
-        self._check_fingerprint()
         self.param_sync()
         sd = checkpoint.gather_state_dict(self)
         for group in sd["param_groups"]:  # capturable: the device lr saves as a number

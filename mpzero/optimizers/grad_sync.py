@@ -274,7 +274,7 @@ class GradSync:
                  device: torch.device, ctx: CommContext,
                  distributed_group: dist.ProcessGroup | None,
                  redundant_group: dist.ProcessGroup | None, dist_rank: int, average: bool,
-                 on_first_collective=None, persistent: Sequence[torch.Tensor] | None = None):
+                 persistent: Sequence[torch.Tensor] | None = None):
         views = persistent if persistent is not None else [None] * len(layouts)
         self.buckets = [GradBucket(lay, dt, device, dist_rank, view)
                         for lay, dt, view in zip(layouts, dtypes, views)]
@@ -288,7 +288,6 @@ class GradSync:
         self.fragments: dict[int, list[Fragment]] = fragments_by_param(layouts)
         self._cursor = 0  # next bucket to launch in this round
         self._in_flight: list[GradBucket] = []
-        self._on_first_collective = on_first_collective
         self.version = 0  # bumps whenever the synced gradients change
 
     # -- gradients in --------------------------------------------------------------
@@ -337,9 +336,6 @@ class GradSync:
     def _launch(self, bucket: GradBucket) -> None:
         if bucket.state is GradState.SYNCING:  # still in flight from the previous round
             self._finish(bucket)
-        if self._on_first_collective is not None:
-            hook, self._on_first_collective = self._on_first_collective, None
-            hook()
         bucket.start_sync(self.ctx, self.distributed_group, self.redundant_group, self.average)
         self._in_flight.append(bucket)
         self.version += 1

@@ -141,7 +141,7 @@ class LayoutMixin:
                 "argument.", stacklevel=user_stacklevel())
         # Again, on every rank: param groups may have been added since construction (on
         # some ranks only), and the broadcast below must not run on mismatched lists.
-        self._check_fingerprint(force=True)
+        self._check_fingerprint()
         self._broadcast_params()  # replicas start from the first rank's values
         rank = self.distributed_rank
         self._nccl_pool = None
@@ -153,7 +153,7 @@ class LayoutMixin:
         self._grad = GradSync(layouts, [lay.key[1] for lay in layouts], self.device, self._comm,
                               self.distributed_process_group, self.redundant_process_group,
                               rank, self.average_grad_sync,
-                              on_first_collective=self._check_fingerprint, persistent=grad_views)
+                              persistent=grad_views)
         for bucket in self._grad.buckets:
             bucket.stable_shard = self.capturable
         if self._nccl_pool is not None:
@@ -330,12 +330,10 @@ class LayoutMixin:
         else:
             kernels.multi_copy(srcs, dsts)
 
-    def _check_fingerprint(self, force: bool = False) -> None:
-        """Fail loudly (on every rank) when ranks have different parameters. A collective:
-        ``force`` only where every rank calls it (the constructor, the layout)."""
-        if self._fingerprint_checked and not force:
-            return
-        self._fingerprint_checked = True
+    def _check_fingerprint(self) -> None:
+        """Fail loudly (on every rank) when ranks have different parameters. A collective,
+        called where every rank passes: the constructor and the making of the layout
+        (before any other collective of the layout)."""
         if comm.group_size(self.process_group) == 1:
             return
         text = repr([(tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._params])
