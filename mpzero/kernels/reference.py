@@ -229,5 +229,5 @@ def multi_copy(
             raise ValueError(f"multi_copy: numel {s.numel()} != {d.numel()}")
         if s.numel() == 0:
             continue
-        src = s.reshape(d.shape).to(d.dtype)
-        d.copy_(_keep_if(noop_flag, d, src))
+        src = s.reshape(d.shape)
+        d.copy_(src if noop_flag is None else _keep_if(noop_flag, d, src.to(d.dtype)))

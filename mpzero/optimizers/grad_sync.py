@@ -15,7 +15,7 @@ A fresh buffer is not zeroed: the first gradient of each fragment is *copied* in
 (cast to the sync dtype: one pass, where zero-then-add is three), later ones are
 added, and what nothing wrote (alignment padding, parameters without a gradient) is
 zeroed just before the buffer is read. The first copies are staged and made together,
-one multi-tensor cast per bucket (``torch._foreach_copy_``), when the bucket is
+one multi-tensor cast per bucket (``kernels.multi_copy``), when the bucket is
 complete, before anything adds to it, or before it is read; so a staged gradient lives
 until its bucket completes (at most the incomplete buckets' gradients); with
 ``capturable`` each copy is made at once (a captured step must not read them). The contiguous
@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from mpzero import kernels
 from mpzero.comm import CommContext, Pending, group_size
 from mpzero.optimizers.layout import BucketLayout, Fragment, fragments_by_param
 
@@ -145,13 +146,9 @@ class GradBucket:
     def copy_staged(self) -> None:
         """Make the staged first copies: one multi-tensor cast for all of them."""
         dst, src = self._staged
-        if not dst:
-            return
-        self._staged = ([], [])
-        if len(dst) == 1:
-            dst[0].copy_(src[0])
-        else:
-            torch._foreach_copy_(dst, src)
+        if dst:
+            self._staged = ([], [])
+            kernels.multi_copy(src, dst)
 
     def _define(self) -> None:
         """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""
@@ -164,9 +161,7 @@ class GradBucket:
             ranges += [(f.bucket_start, f.bucket_end)
                        for f in self.layout.fragments if f.param not in written]
         views = [self.buffer[a:b] for a, b in ranges if b > a]
-        if len(views) == 1:
-            views[0].zero_()
-        elif views:
+        if views:
             torch._foreach_zero_(views)
 
     def mark_arrived(self, param: int) -> None:
