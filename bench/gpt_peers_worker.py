@@ -92,6 +92,20 @@ class Wrapped:
         self.model, self.module, self.optimizer = model, module, optimizer
         self.autocast, self.no_sync, self.clip = autocast, no_sync, clip
 
+    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over ``batch`` (``[grad_acc, micro, seq + 1]`` tokens),
+        without gradient sync for all micro-batches but the last; the mean loss."""
+        grad_acc = batch.shape[0]
+        loss_sum = torch.zeros((), device=batch.device)
+        for m in range(grad_acc):
+            x, y = batch[m, :, :-1], batch[m, :, 1:]
+            with contextlib.nullcontext() if m == grad_acc - 1 else self.no_sync():
+                with self.autocast():
+                    loss = self.module(x, y)
+                (loss / grad_acc).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / grad_acc
+
     def step(self) -> torch.Tensor:
         norm = self.clip()
         self.optimizer.step()
@@ -169,14 +183,19 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
     raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
 
 
+def model_config(a) -> GPTConfig:
+    """The GPT of the shape flags (:func:`add_shape_args`)."""
+    return GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
+                     hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                     attention_backend=a.attention_backend)
+
+
 def run(setup: str, a) -> dict | None:
     """Train ``a.warmup + a.iters`` iterations; rank 0's summary (None elsewhere)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
         if not a.cpu else torch.device("cpu")
-    cfg = GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
-                    hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                    attention_backend=a.attention_backend)
+    cfg = model_config(a)
     w = build(setup, cfg, device, a)
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each DP rank its own data
     total = a.warmup + a.iters
@@ -187,21 +206,12 @@ def run(setup: str, a) -> dict | None:
     for it in range(total):
         batch = data[it].to(device)
         start = timer.mark()
-        loss_sum = torch.zeros((), device=device)
-        for m in range(a.grad_acc):
-            x, y = batch[m, :, :-1], batch[m, :, 1:]
-            last = m == a.grad_acc - 1
-            with contextlib.nullcontext() if last else w.no_sync():
-                with w.autocast():
-                    loss = w.module(x, y)
-                (loss / a.grad_acc).backward()
-            loss_sum += loss.detach().float()
+        losses.append(w.forward_backward(batch))
         backward_end = timer.mark()
         w.step()
         end = timer.mark()
         if it >= a.warmup:
             marks.append((start, backward_end, end))
-        losses.append(loss_sum / a.grad_acc)
     iter_ms = [timer.ms(s, e) for s, _, e in marks]
     step_ms = [timer.ms(b, e) for _, b, e in marks]
     losses = [float(x) for x in losses]

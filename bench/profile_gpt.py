@@ -100,18 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(k, v)
     dist.init_process_group("nccl", device_id=device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    cfg = worker.GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length,
-                           num_layers=a.num_layers, hidden_size=a.hidden_size,
-                           num_attention_heads=a.num_attention_heads,
-                           attention_backend=a.attention_backend)
+    cfg = worker.model_config(a)
     w = worker.build(a.setup, cfg, device, a)
-    data = torch.randint(cfg.vocab_size, (a.micro_batch_size, cfg.seq_length + 1),
-                         generator=torch.Generator().manual_seed(a.seed), device="cpu").to(device)
+    data = torch.randint(cfg.vocab_size, (a.grad_acc, a.micro_batch_size, cfg.seq_length + 1),
+                         generator=torch.Generator().manual_seed(a.seed)).to(device)
 
     def iteration():
-        with w.autocast():
-            loss = w.module(data[:, :-1], data[:, 1:])
-        loss.backward()
+        w.forward_backward(data)
         w.step()
 
     for _ in range(a.warmup):
