@@ -71,7 +71,7 @@ for s in $stages; do
     memory) stage memory python3 bench/bench_memory.py --bf16 --json "$OUT/bench_memory.json" ;;
     gpt) stage gpt-dfa gpt dfa dfa
          stage gpt-adamw gpt adamw adamw ;;
-    step) stage step python3 bench/bench_step.py ;;
+    step) stage step python3 bench/bench_step.py --json "$OUT/bench_step.json" ;;
     ckpt) stage ckpt-torch_dist ckpt torch_dist
           stage ckpt-torch ckpt torch ;;
     recompute) stage recompute python3 examples/gpt/bench_options.py --micro-batch 8 \

@@ -99,7 +99,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sum_exp = exp.sum(dim=-1)
             stats[rows, -1] = sum_exp
             if world == 1 and grad is not None:  # the whole row is here: gradient now
-                if eps > 0.0:
+                if eps > 0.0 or torch.compiler.is_compiling():
+                    # Traced, the rounding-into-``out`` form below compiles to a kernel
+                    # per chunk about 40x slower than this one (1.4 ms per 2^25 logits on
+                    # an H200); the values are the same.
                     p = exp.div_(sum_exp.unsqueeze(-1))
                     grad[rows] = _adjust_to_gradient(p, lt, inside[rows], eps, vocab_size)
                 else:
