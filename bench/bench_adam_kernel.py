@@ -215,6 +215,21 @@ def case_remainders(n, iters):
     return _time(fn, iters), 28
 
 
+def _in_a_row(case):
+    """``case`` with the Adam kernels' older access pattern, 8 elements in a row per thread
+    (``kc.set_split_access(False)``; the default splits them into two runs of 4)."""
+    def run(n, iters):
+        from mpzero.kernels import cuda as kc
+
+        old = kc.split_access()
+        kc.set_split_access(False)
+        try:
+            return case(n, iters)
+        finally:
+            kc.set_split_access(old)
+    return run
+
+
 CASES = [
     ("D2D copy (ceiling)", case_copy),
     ("torch AdamW fused fp32", case_torch_fused),
@@ -224,6 +239,10 @@ CASES = [
     ("mpzero capturable mixed", case_capturable),
     ("mpzero capturable mixed, graph", case_capturable_graph),
     ("mpzero remainders", case_remainders),
+    ("mpzero fp32, 8 in a row", _in_a_row(case_fp32)),
+    ("mpzero mixed, 8 in a row", _in_a_row(case_mixed)),
+    ("mpzero capturable mixed, graph, 8 in a row", _in_a_row(case_capturable_graph)),
+    ("mpzero remainders, 8 in a row", _in_a_row(case_remainders)),
 ]
 
 

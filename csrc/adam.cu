@@ -63,7 +63,7 @@ struct AdamScalars {
 };
 
 // Lists: 0 p (P), 1 g (G), 2 m (P), 3 v (P), 4 p_out (runtime dtype, nullable).
-template <typename P, typename G>
+template <typename P, typename G, bool kSplit>
 struct AdamOp {
   AdamScalars s;
   OutKind out_kind;
@@ -86,20 +86,21 @@ struct AdamOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
                          (out == nullptr || aligned16(out));
-    for_chunk(
-        aligned, begin, end,
-        [&](int64_t i) {
+    for_chunk_x(
+        aligned, kSplit, begin, end,
+        [&](auto tag, int64_t i0, int64_t i1) {
+          constexpr bool S = decltype(tag)::value;
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
-          load8(p + i, rp);
-          load8(g + i, rg);
-          load8(m + i, rm);
-          load8(v + i, rv);
+          load8x<S>(p, i0, i1, rp);
+          load8x<S>(g, i0, i1, rg);
+          load8x<S>(m, i0, i1, rm);
+          load8x<S>(v, i0, i1, rv);
 #pragma unroll
           for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
-          store8(p + i, rp);
-          store8(m + i, rm);
-          store8(v + i, rv);
-          store8_out(ok, out, i, rp);
+          store8x<S>(p, i0, i1, rp);
+          store8x<S>(m, i0, i1, rm);
+          store8x<S>(v, i0, i1, rv);
+          store8x_out<S>(ok, out, i0, i1, rp);
         },
         [&](int64_t base, int64_t e) {
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
@@ -141,7 +142,7 @@ __device__ __forceinline__ void split_bits(float x, uint32_t& hi_bits, uint32_t&
 }
 
 // Lists: 0 p (bf16 bits), 1 rem (int16), 2 g (G), 3 m (fp32), 4 v (fp32), 5 p_out (nullable).
-template <typename G>
+template <typename G, bool kSplit>
 struct AdamRemOp {
   AdamScalars s;
   OutKind out_kind;
@@ -171,28 +172,29 @@ struct AdamRemOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(r) && aligned16(g) && aligned16(m) &&
                          aligned16(v) && (out == nullptr || aligned16(out));
-    for_chunk(
-        aligned, begin, end,
-        [&](int64_t i) {
+    for_chunk_x(
+        aligned, kSplit, begin, end,
+        [&](auto tag, int64_t i0, int64_t i1) {
+          constexpr bool S = decltype(tag)::value;
           uint32_t hp[kVec], hr[kVec];
           float x[kVec], rg[kVec], rm[kVec], rv[kVec];
-          load8_u16(p + i, hp);
-          load8_u16(r + i, hr);
-          load8(g + i, rg);
-          load8(m + i, rm);
-          load8(v + i, rv);
+          load8x_u16<S>(p, i0, i1, hp);
+          load8x_u16<S>(r, i0, i1, hr);
+          load8x<S>(g, i0, i1, rg);
+          load8x<S>(m, i0, i1, rm);
+          load8x<S>(v, i0, i1, rv);
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
             x[j] = merge_bits(hp[j], hr[j]);
             s.update(x[j], rg[j], rm[j], rv[j], gs);
             split_bits(x[j], hp[j], hr[j]);
           }
-          store8_u16(p + i, hp);
-          store8_u16(r + i, hr);
-          store8(m + i, rm);
-          store8(v + i, rv);
-          if (ok == OutKind::kBFloat16) store8_u16(static_cast<uint16_t*>(out) + i, hp);
-          else store8_out(ok, out, i, x);
+          store8x_u16<S>(p, i0, i1, hp);
+          store8x_u16<S>(r, i0, i1, hr);
+          store8x<S>(m, i0, i1, rm);
+          store8x<S>(v, i0, i1, rv);
+          if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
+          else store8x_out<S>(ok, out, i0, i1, x);
         },
         [&](int64_t base, int64_t e) {
 #pragma unroll
@@ -275,8 +277,11 @@ void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, Out
     dispatch_float(gt, "grads", [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
-      AdamOp<P, G> op{s, ok, 1.0f};
-      launch_multi_tensor<5>(ptrs, numel, chunk_elems(), op);
+      if (launch_config().split_access) {
+        launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G, true>{s, ok, 1.0f});
+      } else {
+        launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G, false>{s, ok, 1.0f});
+      }
     });
   });
 }
@@ -287,8 +292,11 @@ void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKin
                  const std::vector<int64_t>& numel) {
   dispatch_float(gt, "grads", [&](auto g_tag) {
     using G = decltype(g_tag);
-    AdamRemOp<G> op{s, ok, 1.0f};
-    launch_multi_tensor<6>(ptrs, numel, chunk_elems(), op);
+    if (launch_config().split_access) {
+      launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, true>{s, ok, 1.0f});
+    } else {
+      launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, false>{s, ok, 1.0f});
+    }
   });
 }
 

@@ -41,6 +41,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_chunk_balancing", &mpzero::set_chunk_balancing,
         "Elementwise kernels: balance chunks over the grid (default on)", py::arg("on"));
   m.def("chunk_balancing", &mpzero::chunk_balancing);
+  m.def("set_split_access", &mpzero::set_split_access,
+        "Adam kernels: each thread's 8 elements as two runs of 4 half a block step apart",
+        py::arg("on"));
+  m.def("split_access", &mpzero::split_access);
   m.def(
       "nccl_allocator_info",
       [] {

@@ -26,6 +26,9 @@ void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_ele
 void set_chunk_balancing(bool on) { launch_config().balance_chunks = on; }
 bool chunk_balancing() { return launch_config().balance_chunks; }
 
+void set_split_access(bool on) { launch_config().split_access = on; }
+bool split_access() { return launch_config().split_access; }
+
 std::tuple<int64_t, int64_t, int64_t> get_launch_config() {
   const LaunchConfig& cfg = launch_config();
   return {cfg.threads, cfg.blocks_per_sm, cfg.chunk_elems};

@@ -80,4 +80,6 @@ void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_ele
 std::tuple<int64_t, int64_t, int64_t> get_launch_config();
 void set_chunk_balancing(bool on);
 bool chunk_balancing();
+void set_split_access(bool on);
+bool split_access();
 }  // namespace mpzero

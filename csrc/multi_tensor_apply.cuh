@@ -29,6 +29,7 @@
 
 #include <array>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "messages.h"
@@ -140,6 +141,88 @@ __device__ __forceinline__ void store8_u16(void* p, const uint32_t (&r)[kVec]) {
   vstore(reinterpret_cast<uint4*>(p), u);
 }
 
+// The same 8 values as two runs of 4: elements i0..i0+3 and i1..i1+3 (kSplit), or the 8
+// consecutive elements at i0 (i1 = i0 + 4 then). Split, a warp's load instruction covers
+// one contiguous span (512 B of fp32, 256 B of 16-bit values) instead of every other 16 B
+// of a twice as long span.
+template <bool kSplit, typename T>
+__device__ __forceinline__ void load8x(const T* p, int64_t i0, int64_t i1, float (&r)[kVec]) {
+  if constexpr (!kSplit) {
+    load8(p + i0, r);
+  } else if constexpr (sizeof(T) == 4) {
+    const float4 a = vload(reinterpret_cast<const float4*>(p + i0));
+    const float4 b = vload(reinterpret_cast<const float4*>(p + i1));
+    r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+    r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
+    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
+    const T* ea = reinterpret_cast<const T*>(&a);
+    const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r[j] = to_float(ea[j]);
+      r[4 + j] = to_float(eb[j]);
+    }
+  }
+}
+
+template <bool kSplit, typename T>
+__device__ __forceinline__ void store8x(T* p, int64_t i0, int64_t i1, const float (&r)[kVec]) {
+  if constexpr (!kSplit) {
+    store8(p + i0, r);
+  } else if constexpr (sizeof(T) == 4) {
+    vstore(reinterpret_cast<float4*>(p + i0), make_float4(r[0], r[1], r[2], r[3]));
+    vstore(reinterpret_cast<float4*>(p + i1), make_float4(r[4], r[5], r[6], r[7]));
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    uint2 a, b;
+    T* ea = reinterpret_cast<T*>(&a);
+    T* eb = reinterpret_cast<T*>(&b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      ea[j] = from_float<T>(r[j]);
+      eb[j] = from_float<T>(r[4 + j]);
+    }
+    vstore(reinterpret_cast<uint2*>(p + i0), a);
+    vstore(reinterpret_cast<uint2*>(p + i1), b);
+  }
+}
+
+template <bool kSplit>
+__device__ __forceinline__ void load8x_u16(const uint16_t* p, int64_t i0, int64_t i1,
+                                           uint32_t (&r)[kVec]) {
+  if constexpr (!kSplit) {
+    load8_u16(p + i0, r);
+  } else {
+    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
+    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
+    const uint32_t w[4] = {a.x, a.y, b.x, b.y};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r[2 * j] = w[j] & 0xFFFFu;
+      r[2 * j + 1] = w[j] >> 16;
+    }
+  }
+}
+
+template <bool kSplit>
+__device__ __forceinline__ void store8x_u16(uint16_t* p, int64_t i0, int64_t i1,
+                                            const uint32_t (&r)[kVec]) {
+  if constexpr (!kSplit) {
+    store8_u16(p + i0, r);
+  } else {
+    uint2 a, b;
+    a.x = (r[0] & 0xFFFFu) | (r[1] << 16);
+    a.y = (r[2] & 0xFFFFu) | (r[3] << 16);
+    b.x = (r[4] & 0xFFFFu) | (r[5] << 16);
+    b.y = (r[6] & 0xFFFFu) | (r[7] << 16);
+    vstore(reinterpret_cast<uint2*>(p + i0), a);
+    vstore(reinterpret_cast<uint2*>(p + i1), b);
+  }
+}
+
 // Output dtype chosen at run time (keeps template instantiations down).
 enum class OutKind : int { kNone = 0, kFloat = 1, kHalf = 2, kBFloat16 = 3 };
 
@@ -157,6 +240,16 @@ __device__ __forceinline__ void store8_out(OutKind k, void* base, int64_t i, con
     case OutKind::kFloat: store8(static_cast<float*>(base) + i, r); break;
     case OutKind::kHalf: store8(static_cast<__half*>(base) + i, r); break;
     case OutKind::kBFloat16: store8(static_cast<__nv_bfloat16*>(base) + i, r); break;
+    default: break;
+  }
+}
+template <bool kSplit>
+__device__ __forceinline__ void store8x_out(OutKind k, void* base, int64_t i0, int64_t i1,
+                                            const float (&r)[kVec]) {
+  switch (k) {
+    case OutKind::kFloat: store8x<kSplit>(static_cast<float*>(base), i0, i1, r); break;
+    case OutKind::kHalf: store8x<kSplit>(static_cast<__half*>(base), i0, i1, r); break;
+    case OutKind::kBFloat16: store8x<kSplit>(static_cast<__nv_bfloat16*>(base), i0, i1, r); break;
     default: break;
   }
 }
@@ -207,6 +300,29 @@ __device__ __forceinline__ void for_chunk(bool aligned, int64_t begin, int64_t e
     if (tail < end) scalar(tail, end);
   } else {
     for (int64_t base = begin; base < end; base += (int64_t)blockDim.x * V) scalar(base, end);
+  }
+}
+
+// for_chunk for kernels with both access patterns (launch_config().split_access):
+//   vec(tag, i0, i1): the 8 elements i0..i0+3, i1..i1+3; tag is std::true_type when split
+//                     (i1 = i0 + half a block step), std::false_type when i1 = i0 + 4.
+// Split, only whole block steps are vectorized; the chunk's last partial step (tensor ends
+// only: chunks are whole steps) takes the scalar path.
+template <class Vec, class Scalar>
+__device__ __forceinline__ void for_chunk_x(bool aligned, bool split, int64_t begin,
+                                            int64_t end, Vec&& vec, Scalar&& scalar) {
+  if (aligned && split) {
+    const int64_t step = (int64_t)blockDim.x * kVec;
+    const int64_t half = step / 2;
+    int64_t base = begin;
+    for (; base + step <= end; base += step) {
+      const int64_t i0 = base + 4 * (int64_t)threadIdx.x;
+      vec(std::true_type{}, i0, i0 + half);
+    }
+    if (base < end) scalar(base, end);
+  } else {
+    for_chunk(
+        aligned, begin, end, [&](int64_t i) { vec(std::false_type{}, i, i + 4); }, scalar);
   }
 }
 

@@ -10,6 +10,10 @@ struct LaunchConfig {
   int64_t chunk_elems = 16384;  // elements per chunk (rounded to whole block steps)
   bool balance_chunks = true;   // elementwise launches: pick the chunk near chunk_elems
                                 // that spreads the work most evenly over the grid
+  bool split_access = true;     // Adam kernels: a thread's 8 elements are two runs of 4,
+                                // half a block step apart (each load instruction of a
+                                // warp covers one contiguous span); false: 8 in a row
+                                // (0.8% slower on an H100, docs/kernels-notes.md)
 };
 LaunchConfig& launch_config();
 

@@ -4,6 +4,7 @@ reference implementations."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +21,16 @@ __all__ = [
     "get_launch_config",
     "set_chunk_balancing",
     "chunk_balancing",
+    "set_split_access",
+    "split_access",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+# MPZERO_SPLIT_ACCESS=0|1 sets the Adam kernels' access pattern for a whole run (benchmarks
+# compare both without code changes); see set_split_access().
+if os.environ.get("MPZERO_SPLIT_ACCESS", "") in ("0", "1"):
+    _C.set_split_access(os.environ["MPZERO_SPLIT_ACCESS"] == "1")
 
 
 def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
@@ -226,3 +234,14 @@ def set_chunk_balancing(on: bool) -> None:
 
 def chunk_balancing() -> bool:
     return bool(_C.chunk_balancing())
+
+
+def set_split_access(on: bool) -> None:
+    """Adam kernels: each thread's 8 elements per step as two runs of 4, half a block step
+    apart, so each load instruction of a warp reads one contiguous span (the default; off:
+    8 in a row, 16-byte loads). Results do not depend on it; only the time does."""
+    _C.set_split_access(bool(on))
+
+
+def split_access() -> bool:
+    return bool(_C.split_access())

@@ -532,3 +532,36 @@ def test_argument_errors_raise_with_their_numbers():
         kc.multi_copy([x], [x[:4]])
     with pytest.raises(RuntimeError, match="multiple of 32 and <= "):
         kc.set_launch_config(threads=33)
+
+
+# ---- split access (set_split_access): the same bits, whatever the access pattern ----------
+
+SPLIT_SIZES = [1, 7, 4095, 4096, 4097, 8200, 70001, 2**20 + 13]  # block steps are 4096
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("pdt,gdt,odt", [(torch.float32, torch.bfloat16, torch.bfloat16),
+                                         (torch.float32, torch.float32, None),
+                                         (torch.bfloat16, torch.bfloat16, torch.float32),
+                                         (torch.float16, torch.float32, torch.float16)])
+def test_split_access_bit_exact(split, pdt, gdt, odt):
+    old = kc.split_access()
+    try:
+        kc.set_split_access(split)
+        assert kc.split_access() is split
+        kw = dict(BASE, grad_scale=torch.tensor(0.5, device=DEV))
+        got, want = _run_adam_pair(SPLIT_SIZES, pdt, gdt, odt, offset=0, **kw)
+        for gl, wl in zip(got, want):
+            for a, b in zip(gl or [], wl or []):
+                assert not torch.isnan(a).any(), "unwritten (NaN-poisoned) output"
+                assert _same_bits(a, b), f"max diff {(a.float() - b.float()).abs().max().item()}"
+        for gdt_r, odt_r in [(torch.bfloat16, torch.bfloat16), (torch.float32, None)]:
+            lists = _rem_inputs(SPLIT_SIZES, gdt_r, odt_r, _gen())
+            ref = list(map(_clone, lists))
+            kernels.adam_remainders(*lists, **kw)
+            reference.adam_remainders(*ref, **kw)
+            for a_list, b_list in zip(lists, ref):
+                for a, b in zip(a_list or [], b_list or []):
+                    assert _same_bits(a, b)
+    finally:
+        kc.set_split_access(old)
