@@ -130,10 +130,10 @@ def _staged_released():
         opt.zero_grad()
         with opt.no_sync(greedy_grad_copy=True):
             _loss(model, x, y, set()).backward()
-        assert all(not b._staged[0] for b in opt._grad.buckets)
+        assert all(not b._staged for b in opt._grad.buckets)
         _loss(model, x, y, set()).backward()
         assert len(opt._grad.buckets) > 2
-        assert all(not b._staged[0] for b in opt._grad.buckets)
+        assert all(not b._staged for b in opt._grad.buckets)
         opt.step()
     return True
 

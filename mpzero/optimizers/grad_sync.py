@@ -22,6 +22,15 @@ until its bucket completes (at most the incomplete buckets' gradients); with
 grad buffer keeps the zeroed semantics (a user may write into ``grad_buffer_view()``
 between rounds).
 
+Direct gradients: where this rank alone makes up both groups (nothing to reduce) and
+every parameter of a bucket brought exactly one gradient in the round, the bucket
+makes no copy at all: the gradients themselves (in the parameters' dtype, e.g. bf16)
+stand for the reduced shard, the step and the norm read them (:meth:`GradBucket.direct_grads`),
+and no bucket buffer is allocated. Anything else that reads the shard, or a next
+round that adds to it, first makes the copy (:meth:`GradBucket.materialize`), so the
+values are the same either way. (Not with a contiguous grad buffer, nccl_ub or
+capturable, whose shards have fixed addresses.)
+
 Ordering rule (no deadlocks): a *round* launches every bucket exactly once, in
 index order. A complete bucket waits until every bucket before it has launched
 in the current round; :meth:`GradSync.flush` launches the rest in order, with
@@ -84,7 +93,11 @@ class GradBucket:
         # None when the whole buffer holds defined values (zeros or gradients).
         self._written: set[int] | None = None
         self._gaps = _gaps(layout)  # bucket ranges no fragment covers
-        self._staged: tuple[list, list] = ([], [])  # first copies to make: (dst, src)
+        self._staged: list[tuple[Fragment, torch.Tensor]] = []  # first copies to make
+        # Direct gradients (see the module docstring): param -> its gradient's slice for
+        # this bucket's fragment, standing for the reduced shard; None when not direct.
+        self._direct: dict[int, torch.Tensor] | None = None
+        self.direct_ok = False  # set by GradSync: local_only without fixed shard addresses
 
     def _assert_state(self, *states: GradState) -> None:
         if self.state not in states:
@@ -99,12 +112,43 @@ class GradBucket:
 
     @property
     def shard(self) -> torch.Tensor | None:
-        return self._shard if self.shard_valid else None
+        """The reduced local shard (made from direct gradients first, if it stands for them)."""
+        if not self.shard_valid:
+            return None
+        if self._direct is not None:
+            self.materialize()
+        return self._shard
+
+    def direct_grads(self) -> dict[int, torch.Tensor] | None:
+        """Direct gradients standing for the synced shard: ``{param: flat gradient slice
+        of its fragment}`` (in the parameter's dtype), or None when the shard is a buffer."""
+        return self._direct if self.shard_valid else None
+
+    def materialize(self) -> None:
+        """Copy direct gradients into a shard buffer of the sync dtype (zeros in the gaps)."""
+        direct, self._direct = self._direct, None
+        if direct is None:
+            return
+        buf = _fresh_buffer(self.layout.size, self.dtype, self.device)
+        gaps = [buf[a:b] for a, b in self._gaps if b > a]
+        if gaps:
+            torch._foreach_zero_(gaps)
+        frags = self.layout.fragments
+        kernels.multi_copy([direct[f.param] for f in frags],
+                           [buf[f.bucket_start:f.bucket_end] for f in frags])
+        self._shard = buf
+
+    def _ensure_buffer(self) -> torch.Tensor:
+        if self.buffer is None:  # a fresh buffer is allocated at its first copy or add
+            self.buffer = _fresh_buffer(self.layout.size, self.dtype, self.device)
+        return self.buffer
 
     def start_fill(self) -> None:
         """Start a new round of gradients: a zeroed buffer, or where the bucket buffer
         is the shard (one rank in both groups) the shard itself, accumulated in place."""
         self._assert_state(GradState.EMPTY, GradState.SYNCED)
+        if self._direct is not None:
+            self.materialize()  # the next micro-batch adds to the synced values
         if self.local_only and self._shard is not None:
             # Valid: the next micro-batch adds to it; else (kept across resets) it was
             # zeroed at reset.
@@ -114,7 +158,7 @@ class GradBucket:
             # the user wrote into grad_buffer_view() since then is part of this round.
             self.buffer = self.persistent
         else:
-            self.buffer = _fresh_buffer(self.layout.size, self.dtype, self.device)
+            self.buffer = None  # allocated lazily: direct gradients need none
             self._written = set()
         self.arrived = set()
         self.state = GradState.FILLING
@@ -124,7 +168,6 @@ class GradBucket:
         the fragment's first gradient into a fresh buffer is copied."""
         if self.state is not GradState.FILLING:
             self.start_fill()
-        view = self.buffer[fragment.bucket_start : fragment.bucket_end]
         grad = grad_flat[fragment.param_start : fragment.param_end]
         written = self._written
         if written is not None and fragment.param not in written:
@@ -132,12 +175,12 @@ class GradBucket:
             if self.stable_shard:
                 # capturable: copy now, so a step captured in a CUDA graph never reads
                 # the (then freed) gradient tensors of a bucket still incomplete.
-                view.copy_(grad)
+                self._ensure_buffer()[fragment.bucket_start : fragment.bucket_end].copy_(grad)
             else:
-                self._staged[0].append(view)  # the cast of .to(dtype), made later in place
-                self._staged[1].append(grad)
+                self._staged.append((fragment, grad))  # the cast copy, made later in place
             return
         self.copy_staged()
+        view = self._ensure_buffer()[fragment.bucket_start : fragment.bucket_end]
         if _exact_cast(grad.dtype, self.dtype):
             view.add_(grad)  # mixed-dtype add: the same sums without a cast copy
         else:
@@ -145,17 +188,19 @@ class GradBucket:
 
     def copy_staged(self) -> None:
         """Make the staged first copies: one multi-tensor cast for all of them."""
-        dst, src = self._staged
-        if dst:
-            self._staged = ([], [])
-            kernels.multi_copy(src, dst)
+        staged, self._staged = self._staged, []
+        if staged:
+            buf = self._ensure_buffer()
+            kernels.multi_copy([g for _, g in staged],
+                               [buf[f.bucket_start:f.bucket_end] for f, _ in staged])
 
     def _define(self) -> None:
         """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""
         self.copy_staged()
         written, self._written = self._written, None
-        if written is None or self.buffer is None:
+        if written is None:
             return
+        self._ensure_buffer()
         ranges = list(self._gaps)
         if len(written) < len(self._params):  # some parameters got no gradient
             ranges += [(f.bucket_start, f.bucket_end)
@@ -172,6 +217,13 @@ class GradBucket:
         """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
         if self.state is not GradState.FILLING:
             self.start_fill()
+        if self._can_go_direct():
+            self._direct = {f.param: g for f, g in self._staged}
+            self._staged, self._written, self.buffer = [], None, None
+            self._incoming, self._pending = None, None
+            self.state = GradState.SYNCING
+            self.launched_since_reset = True
+            return
         self._define()
         if self.local_only:
             # One rank in both groups: the bucket buffer is already the reduced shard.
@@ -192,8 +244,23 @@ class GradBucket:
         self.launched_since_reset = True
         self.state = GradState.SYNCING
 
+    @property
+    def may_go_direct(self) -> bool:
+        return self.direct_ok and not self.stable_shard and self.persistent_incoming is None
+
+    def _can_go_direct(self) -> bool:
+        """Every fragment's one gradient is staged, nothing added, no earlier values."""
+        return (self.may_go_direct and self._written is not None and not self.shard_valid
+                and len(self._staged) == len(self.layout.fragments)
+                and len(self._written) == len(self._params))
+
     def finish_sync(self) -> None:
         self._assert_state(GradState.SYNCING)
+        if self._direct is not None:  # the gradients themselves are the shard
+            self._shard, self.shard_valid = None, True
+            self.arrived = set()
+            self.state = GradState.SYNCED
+            return
         if self._pending is not None:
             self._pending.wait()
         if self._incoming is self._shard:
@@ -221,7 +288,7 @@ class GradBucket:
             self.finish_sync()
         if self.persistent is not None:
             self.persistent.zero_()
-        self._staged = ([], [])  # dropped gradients need no copy
+        self._staged, self._direct = [], None  # dropped gradients need no copy
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
@@ -276,6 +343,7 @@ class GradSync:
         local = group_size(distributed_group) == 1 and group_size(redundant_group) == 1
         for b in self.buckets:
             b.local_only = local
+            b.direct_ok = local and b.persistent is None
         self.ctx = ctx
         self.distributed_group = distributed_group
         self.redundant_group = redundant_group
@@ -300,7 +368,7 @@ class GradSync:
                 self._finish(bucket)  # a new round for a bucket still in flight
             bucket.add(f, flat)
             bucket.mark_arrived(param)
-            if bucket.complete:
+            if bucket.complete and not bucket.may_go_direct:
                 bucket.copy_staged()  # every gradient is in: release them
 
     # -- launching -----------------------------------------------------------------

@@ -44,32 +44,35 @@ class Phase(NamedTuple):
 class StepMixin:
     """Norms, AMP and the step of DistributedFusedAdam."""
 
-    def _synced_shards(self) -> list[torch.Tensor | None]:
-        self.grad_sync()
-        return self._grad.shards()
-
     def _local_sq_norm(self, parameters=None) -> torch.Tensor:
         norm = kernels.l2norm(self._norm_views(parameters), device=self.device)
         return (norm.to(self.device, torch.float32) ** 2)
 
     def _norm_views(self, parameters=None) -> list[torch.Tensor]:
         """This rank's synchronized gradient ranges that the norm counts (TP-replicated
-        parameters only on TP rank 0)."""
-        shards = self._synced_shards()
+        parameters only on TP rank 0): slices of the shards, or the direct gradients
+        themselves where they stand for a shard (grad_sync.py)."""
+        self.grad_sync()
         views = []
-        if parameters is None:
-            for shard, st in zip(shards, self._shards):
-                if shard is not None:
-                    views += [shard[a:b] for a, b, counted in st.norm_ranges if counted]
-        else:
-            wanted = {self._index[id(p)] for p in parameters}
-            tp_rank = tensor_parallel_rank(self.model_parallel_group)
-            for shard, lay in zip(shards, self._layouts):
-                for piece in lay.shard_pieces(self.distributed_rank):
+        wanted = None if parameters is None else {self._index[id(p)] for p in parameters}
+        tp_rank = tensor_parallel_rank(self.model_parallel_group)
+        for bucket, st, lay in zip(self._grad.buckets, self._shards, self._layouts):
+            direct = bucket.direct_grads()
+            if direct is None and bucket.shard is None:
+                continue
+            if wanted is None and direct is None:
+                views += [bucket.shard[a:b] for a, b, counted in st.norm_ranges if counted]
+                continue
+            for piece in lay.shard_pieces(self.distributed_rank):
+                if wanted is None:
+                    keep = _counted(st.norm_ranges, piece.shard_start)
+                else:
                     p = self._params[piece.param]
-                    if piece.param in wanted and (
-                            getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
-                        views.append(shard[piece.shard_start:piece.shard_end])
+                    keep = piece.param in wanted and (
+                        getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
+                if keep:
+                    views.append(direct[piece.param] if direct is not None
+                                 else bucket.shard[piece.shard_start:piece.shard_end])
         return views
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0,
@@ -319,12 +322,16 @@ class StepMixin:
 
     def _planned_adam(self, phase: Phase, outs) -> None:
         buckets = phase.planned
-        grads = {b: self._grad.buckets[b].shard for b in buckets}
-        key = (phase.plan_key, tuple(bool(g["bias_correction"]) for g in self.param_groups))
+        grads = self._direct_grads(phase)
+        direct = grads is not None
+        if not direct:
+            grads = {b: self._grad.buckets[b].shard for b in buckets}
+        key = (phase.plan_key, tuple(bool(g["bias_correction"]) for g in self.param_groups),
+               direct)
         plans = self.__dict__.setdefault("_plans", {})
         plan = plans.get(key)
         if plan is None:
-            plan = plans[key] = self._build_plan(buckets, outs)
+            plan = plans[key] = self._build_plan(buckets, outs, direct)
         found_inf = self._found_inf_for_kernels
         for b in plan.needs_out:
             st = self._shards[b]
@@ -364,14 +371,37 @@ class StepMixin:
         launch.native = kernels.adam_plan(launch.kernel, launch.remainders, fixed, slots,
                                           launch.per_step(grads, outs))
 
-    def _build_plan(self, buckets, outs) -> StepPlan:
+    def _direct_grads(self, phase: Phase) -> dict[int, list[torch.Tensor]] | None:
+        """Per planned bucket of ``phase``, its direct gradients (grad_sync.py) in the order
+        of its pieces, where every one of them has them and writes its parameters in
+        place; else None (the buckets' shards are read)."""
+        if not all(writes for _, writes in phase.plan_key):
+            return None
+        got = {}
+        for b in phase.planned:
+            direct = self._grad.buckets[b].direct_grads()
+            if direct is None:
+                return None
+            got[b] = [direct[i] for i in self._piece_params(b)]
+        return got
+
+    def _piece_params(self, b: int) -> list[int]:
+        """The parameter of each piece of bucket ``b``'s shard, in order (made once)."""
+        cache = self.__dict__.setdefault("_piece_params_cache", {})
+        if b not in cache:
+            cache[b] = [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)]
+        return cache[b]
+
+    def _build_plan(self, buckets, outs, direct: bool = False) -> StepPlan:
+        """``direct``: the gradients come as one tensor per piece (direct gradients)."""
         pb = PlanBuilder()
         for b in buckets:
             st, lay = self._shards[b], self._layouts[b]
             m, v = st.exp_avg, st.exp_avg_sq
             if outs[b] is None:  # direct: per fragment, into the parameters' own storage
                 views = self._param_views(b)
-                pb.bucket(b, [(s, e) for (s, e, _), _ in views], lay.shard_size, out=False)
+                pb.bucket(b, [(s, e) for (s, e, _), _ in views], lay.shard_size, out=False,
+                          direct=direct)
                 for j, ((s, e, gi), view) in enumerate(views):
                     if st.remainder is not None:
                         pb.add((gi, lay.key, True), True, gi, (
@@ -467,6 +497,11 @@ class StepMixin:
                     adam_w_mode=self.adam_w_mode, bias_correction=bool(group["bias_correction"]),
                     grad_scale=self._grad_scale if self.capturable or self._grad_scaled
                     else None, found_inf=self._found_inf_for_kernels)
+
+
+def _counted(norm_ranges, pos: int) -> bool:
+    """Whether the norm range holding shard position ``pos`` is counted."""
+    return any(a <= pos < b and counted for a, b, counted in norm_ranges)
 
 
 def _observed(opt) -> bool:

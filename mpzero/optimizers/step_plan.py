@@ -77,11 +77,13 @@ class Launch:
     slots: list[tuple[int, int, int, str, int]]
     kernel: Callable | None = None
     native: Callable | None = None  # kernels.adam_plan: takes the per-step bases only
-    bases: list[tuple[int, str]] = field(default_factory=list)  # (bucket, GRAD|OUT) each
+    # (bucket, GRAD|OUT) each, or (bucket, GRAD, range index) for a direct bucket's gradient
+    bases: list[tuple] = field(default_factory=list)
 
     def per_step(self, grads: dict, outs: dict) -> list[torch.Tensor]:
         """This step's tensors of ``bases``, in order (what ``native`` is called with)."""
-        return [grads[b] if which == GRAD else outs[b] for b, which in self.bases]
+        return [(grads[k[0]] if k[1] == GRAD else outs[k[0]]) if len(k) == 2
+                else grads[k[0]][k[2]] for k in self.bases]
 
     def fill(self, pieces: dict) -> list[list]:
         lists = [list(lst) for lst in self.lists]
@@ -97,15 +99,21 @@ class StepPlan:
     launches: list[Launch]
     cutters: dict[int, Cutter]  # bucket -> how its gradient / output shard is cut
     needs_out: set[int]  # buckets whose shard-sized output buffer is written
+    # Buckets whose per-step gradient is a list of tensors, one per range (direct
+    # gradients, grad_sync.py), instead of one shard to cut.
+    direct: set[int] = field(default_factory=set)
 
     def native_slots(self, launch: Launch) -> tuple[list[tuple[int, int, int, int]],
                                                     list[tuple[int, str]]]:
         """``launch``'s per-step slots as ``(list position, entry, base, element offset)``
         into the distinct per-step tensors ``(bucket, GRAD|OUT)`` it reads (the second
         list, in base order)."""
-        bases: dict[tuple[int, str], int] = {}
+        bases: dict[tuple, int] = {}
         slots = []
         for pos, entry, b, which, j in launch.slots:
+            if which == GRAD and b in self.direct:  # a tensor of its own per range
+                slots.append((pos, entry, bases.setdefault((b, which, j), len(bases)), 0))
+                continue
             k = bases.setdefault((b, which), len(bases))
             slots.append((pos, entry, k, self.cutters[b].ranges[j][0]))
         return slots, list(bases)
@@ -114,7 +122,7 @@ class StepPlan:
         """``(bucket, GRAD|OUT) -> slices`` of this step's gradient and output shards."""
         got = {}
         for b, cut in self.cutters.items():
-            got[b, GRAD] = cut(grads[b])
+            got[b, GRAD] = grads[b] if b in self.direct else cut(grads[b])
             if b in self.needs_out:
                 got[b, OUT] = cut(outs[b])
         return got
@@ -127,11 +135,16 @@ class PlanBuilder:
         self._launches: dict[tuple, Launch] = {}
         self.cutters: dict[int, Cutter] = {}
         self.needs_out: set[int] = set()
+        self.direct: set[int] = set()
 
-    def bucket(self, b: int, ranges: list[tuple[int, int]], total: int, out: bool) -> None:
+    def bucket(self, b: int, ranges: list[tuple[int, int]], total: int, out: bool,
+               direct: bool = False) -> None:
+        """``direct``: the bucket's per-step gradient comes as one tensor per range."""
         self.cutters[b] = Cutter(ranges, total)
         if out:
             self.needs_out.add(b)
+        if direct:
+            self.direct.add(b)
 
     def add(self, key: tuple, remainders: bool, group: int, entry: Sequence) -> None:
         """``entry``: one tensor per list, or ``(bucket, GRAD|OUT, range index)`` for a
@@ -149,4 +162,5 @@ class PlanBuilder:
                 launch.lists[pos].append(t)
 
     def finish(self) -> StepPlan:
-        return StepPlan(list(self._launches.values()), self.cutters, self.needs_out)
+        return StepPlan(list(self._launches.values()), self.cutters, self.needs_out,
+                        self.direct)

@@ -45,6 +45,11 @@ CHECKS = [
     ("_graph_captured_step", "test_dfa_cuda", ()),
     ("_scaled_states", "test_dfa_buffers", ("bfloat16", 1.0)),
     ("_nccl_ub", "test_dfa_cuda", ()),
+    ("_plain", "test_direct_grads", (torch.bfloat16, None)),
+    ("_plain", "test_direct_grads", (torch.float32, 0.5)),
+    ("_fallbacks", "test_direct_grads", ("skip",)),
+    ("_fallbacks", "test_direct_grads", ("accumulate",)),
+    ("_fallbacks", "test_direct_grads", ("shard_read",)),
 ]
 
 
