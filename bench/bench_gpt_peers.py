@@ -160,14 +160,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{setup}: failed ({row['error']})\n  " + "\n  ".join(row.get("log", [])),
                   file=sys.stderr, flush=True)
         else:
-            print(f"{setup}: {row['iter_ms']:.1f} ms/iter, {row['peak_gib']:.2f} GiB",
-                  flush=True)
+            print(f"{setup}: {row['iter_ms']:.1f} ms/iter, {row['peak_gib']:.2f} GiB, "
+                  f"step {row['step_ms']:.1f} ms", flush=True)
+        if a.json:  # after every setup: a run cut off later keeps the rows it has
+            Path(a.json).write_text(json.dumps({"shape": shape, "nproc": a.nproc,
+                                                "grad_acc": a.grad_acc, "compile": a.compile,
+                                                "compile_mode": a.compile_mode, "rows": rows},
+                                               indent=1))
     print(table(rows))
-    if a.json:
-        Path(a.json).write_text(json.dumps({"shape": shape, "nproc": a.nproc,
-                                            "grad_acc": a.grad_acc, "compile": a.compile,
-                                            "compile_mode": a.compile_mode, "rows": rows},
-                                           indent=1))
     return rows
 
 
