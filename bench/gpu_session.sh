@@ -13,7 +13,8 @@
 #              time of no recompute / selective / full)
 #   profile:   bench/profile_gpt.py, the 1.3B dfa setup compiled (blocks, then the whole model):
 #              device time per kernel class
-#   peers:     bench/bench_gpt_peers.py --compile, dfa setups against torch and FSDP2 (1.3B)
+#   peers:     bench/bench_gpt_peers.py --compile, dfa setups against torch, FSDP2, DDP, ZeRO-1
+#              (1.3B; ~40 s a setup on an H200)
 #   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
@@ -81,7 +82,7 @@ for s in $stages; do
              stage profile-model python3 bench/profile_gpt.py --setup dfa --compile \
                --compile-mode model --warmup 3 --profile-iters 3 ;;
     peers) stage peers python3 bench/bench_gpt_peers.py --compile \
-             --setups dfa,dfa-remainders,adamw,fsdp2,torch --warmup 5 --iters 12 \
+             --setups dfa,dfa-remainders,adamw,torch,fsdp2,ddp,zero1 --warmup 5 --iters 12 \
              --json "$OUT/peers_compiled.json" ;;
     peers-eager) stage peers-eager python3 bench/bench_gpt_peers.py \
                    --setups torch,ddp,zero1,fsdp2,dfa,dfa-remainders,adamw --warmup 3 --iters 12 \

@@ -43,8 +43,9 @@ def breakdown(args, cuda, name, dtype, mk, graph) -> None:
     bwd()
     opt.grad_sync()
     plan = next(iter(opt._plans.values()))
-    grads = {b: [opt._grad.buckets[b].direct_grads()[i] for i in opt._piece_params(b)]
-             if b in plan.direct else opt._grad.buckets[b].shard for b in plan.cutters}
+    direct = opt._direct_grads(opt._phases(False)[0]) or {}
+    grads = {b: direct[b] if b in plan.direct else opt._grad.buckets[b].shard
+             for b in plan.cutters}
     print(f"plan.pieces         {timed(lambda: plan.pieces(grads, {})):8.1f} us")
     pieces = plan.pieces(grads, {})
     for launch in plan.launches:

@@ -375,22 +375,23 @@ class StepMixin:
         """Per planned bucket of ``phase``, its direct gradients (grad_sync.py) in the order
         of its pieces, where every one of them has them and writes its parameters in
         place; else None (the buckets' shards are read)."""
-        if not all(writes for _, writes in phase.plan_key):
+        cache = self.__dict__.setdefault("_direct_orders", {})
+        order = cache.get(phase.plan_key, False)
+        if order is False:  # (bucket index, bucket, parameter of each piece), made once
+            order = cache[phase.plan_key] = None if not all(
+                writes for _, writes in phase.plan_key) else [
+                (b, self._grad.buckets[b],
+                 [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)])
+                for b in phase.planned]
+        if order is None:
             return None
         got = {}
-        for b in phase.planned:
-            direct = self._grad.buckets[b].direct_grads()
+        for b, bucket, params in order:
+            direct = bucket.direct_grads()
             if direct is None:
                 return None
-            got[b] = [direct[i] for i in self._piece_params(b)]
+            got[b] = list(map(direct.__getitem__, params))
         return got
-
-    def _piece_params(self, b: int) -> list[int]:
-        """The parameter of each piece of bucket ``b``'s shard, in order (made once)."""
-        cache = self.__dict__.setdefault("_piece_params_cache", {})
-        if b not in cache:
-            cache[b] = [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)]
-        return cache[b]
 
     def _build_plan(self, buckets, outs, direct: bool = False) -> StepPlan:
         """``direct``: the gradients come as one tensor per piece (direct gradients)."""

@@ -82,8 +82,24 @@ class Launch:
 
     def per_step(self, grads: dict, outs: dict) -> list[torch.Tensor]:
         """This step's tensors of ``bases``, in order (what ``native`` is called with)."""
-        return [(grads[k[0]] if k[1] == GRAD else outs[k[0]]) if len(k) == 2
-                else grads[k[0]][k[2]] for k in self.bases]
+        runs = self.__dict__.get("_runs")
+        if runs is None:  # consecutive direct gradients of one bucket: one list slice
+            runs = self._runs = []
+            for k in self.bases:
+                last = runs[-1] if runs else None
+                if len(k) == 3 and last and last[0] == k[0] and last[2] is not None \
+                        and last[3] == k[2]:
+                    runs[-1][3] += 1
+                else:
+                    runs.append([k[0], k[1], None, None] if len(k) == 2
+                                else [k[0], GRAD, k[2], k[2] + 1])
+        got = []
+        for b, which, lo, hi in runs:
+            if lo is None:
+                got.append(grads[b] if which == GRAD else outs[b])
+            else:
+                got += grads[b][lo:hi]
+        return got
 
     def fill(self, pieces: dict) -> list[list]:
         lists = [list(lst) for lst in self.lists]
