@@ -3,7 +3,7 @@
 # measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
-#                             [profile] [peers] [peers-eager]
+#                             [profile] [peers] [peers-eager] [gelu]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -16,6 +16,7 @@
 #   peers:     bench/bench_gpt_peers.py --compile, dfa setups against torch, FSDP2, DDP, ZeRO-1
 #              (1.3B; ~40 s a setup on an H200)
 #   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
+#   gelu:      bench/bench_gelu.py (exact vs tanh GELU, fwd + bwd, compiled, 1.3B MLP shape)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -87,6 +88,7 @@ for s in $stages; do
     peers-eager) stage peers-eager python3 bench/bench_gpt_peers.py \
                    --setups torch,ddp,zero1,fsdp2,dfa,dfa-remainders,adamw --warmup 3 --iters 12 \
                    --json "$OUT/peers_eager.json" ;;
+    gelu) stage gelu python3 bench/bench_gelu.py ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

@@ -1,0 +1,97 @@
+"""GELU forward + backward at the 1.3B GPT's MLP shape, compiled as the example's blocks
+are: the exact (erf) GELU against the tanh approximation, and the copy floor of their
+traffic. A probe for the MFU work of docs/performance.md (inductor's exact GELU kernels
+ran at ~60% of the copy rate there, as fast on an H100 as on an H200).
+
+    python bench/bench_gelu.py [--tokens 16384] [--features 8192] [--iters 50]
+    python bench/bench_gelu.py --cpu --tokens 64 --features 64 --backend aot_eager  # smoke
+
+Bytes counted once per tensor (bf16): forward reads x and writes y (4 B/element),
+backward reads x and dy and writes dx (6 B/element). Also prints the largest difference
+between the two GELUs on the same input (they are different functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _time(fn, iters: int, cuda: bool) -> float:
+    """Median ms of ``iters`` calls (after 3 warm-ups): CUDA events around each call, or
+    the host clock on CPU."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def rows(tokens: int, features: int, iters: int, device: str = "cuda",
+         backend: str = "inductor") -> tuple[list[tuple[str, float, float]], float]:
+    """(name, ms, TB/s at the counted bytes) per case, and the largest difference between
+    the exact and the tanh GELU of the same input."""
+    n = tokens * features
+    cuda = device == "cuda"
+    x = torch.randn(tokens, features, device=device, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    out = []
+    for approximate in ("none", "tanh"):
+        fwd = torch.compile(lambda t, a=approximate: F.gelu(t, approximate=a), backend=backend)
+        xg = x.detach().requires_grad_()
+        y = fwd(xg)
+
+        def backward(y=y, xg=xg):
+            (grad,) = torch.autograd.grad(y, xg, dy, retain_graph=True)
+            return grad
+
+        ms_f = _time(lambda f=fwd: f(x), iters, cuda)
+        ms_b = _time(backward, iters, cuda)
+        out.append((f"gelu {approximate} forward", ms_f, 4 * n / ms_f / 1e9))
+        out.append((f"gelu {approximate} backward", ms_b, 6 * n / ms_b / 1e9))
+    dst = torch.empty_like(x)
+    ms_c = _time(lambda: dst.copy_(x), iters, cuda)
+    out.append(("copy of x (forward's bytes)", ms_c, 4 * n / ms_c / 1e9))
+    diff = (F.gelu(x.float()) - F.gelu(x.float(), approximate="tanh")).abs().max().item()
+    return out, diff
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="micro-batch x sequence")
+    ap.add_argument("--features", type=int, default=8192, help="MLP hidden features")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
+    a = ap.parse_args()
+    device = "cpu" if a.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --cpu)")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, [{a.tokens}, {a.features}] bf16, "
+          f"median of {a.iters}")
+    print(f"| {'case':<28} | {'ms':>7} | {'TB/s':>6} |")
+    print(f"|{'-' * 30}|{'-' * 9}|{'-' * 8}|")
+    table, diff = rows(a.tokens, a.features, a.iters, device, a.backend)
+    for name, ms, tbs in table:
+        print(f"| {name:<28} | {ms:>7.3f} | {tbs:>6.2f} |")
+    print(f"max |gelu(x) - gelu_tanh(x)| over the N(0, 1) input: {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
