@@ -14,32 +14,25 @@ between the two GELUs on the same input (they are different functions).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import time
+import sys
+import types
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_step  # noqa: E402
 
-def _time(fn, iters: int, cuda: bool) -> float:
-    """Median ms of ``iters`` calls (after 3 warm-ups): CUDA events around each call, or
-    the host clock on CPU."""
+
+def _time(fn, iters: int, device: str) -> float:
+    """Median ms of ``iters`` calls after 3 warm-ups (bench_step's timer: CUDA events
+    around each call, the host clock on CPU)."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    timer = bench_step._Timer(types.SimpleNamespace(device=torch.device(device)))
+    return statistics.median(timer(fn)[0] for _ in range(iters)) * 1e3
 
 
 def rows(tokens: int, features: int, iters: int, device: str = "cuda",
@@ -47,7 +40,6 @@ def rows(tokens: int, features: int, iters: int, device: str = "cuda",
     """(name, ms, TB/s at the counted bytes) per case, and the largest difference between
     the exact and the tanh GELU of the same input."""
     n = tokens * features
-    cuda = device == "cuda"
     x = torch.randn(tokens, features, device=device, dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     out = []
@@ -60,12 +52,12 @@ def rows(tokens: int, features: int, iters: int, device: str = "cuda",
             (grad,) = torch.autograd.grad(y, xg, dy, retain_graph=True)
             return grad
 
-        ms_f = _time(lambda f=fwd: f(x), iters, cuda)
-        ms_b = _time(backward, iters, cuda)
+        ms_f = _time(lambda f=fwd: f(x), iters, device)
+        ms_b = _time(backward, iters, device)
         out.append((f"gelu {approximate} forward", ms_f, 4 * n / ms_f / 1e9))
         out.append((f"gelu {approximate} backward", ms_b, 6 * n / ms_b / 1e9))
     dst = torch.empty_like(x)
-    ms_c = _time(lambda: dst.copy_(x), iters, cuda)
+    ms_c = _time(lambda: dst.copy_(x), iters, device)
     out.append(("copy of x (forward's bytes)", ms_c, 4 * n / ms_c / 1e9))
     diff = (F.gelu(x.float()) - F.gelu(x.float(), approximate="tanh")).abs().max().item()
     return out, diff

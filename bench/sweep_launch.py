@@ -51,16 +51,11 @@ def main() -> None:
                 *(map(int, a.split(",")) for a in (args.threads, args.blocks, args.chunks))):
             kcuda.set_launch_config(threads, blocks, chunk)
             _p, _o, backward, replay = bench_step.prepare(args, bf16, make, graph=True)
-            times = []
+            timer, times = bench_step._Timer(args), []
             for _ in range(args.reps):
                 backward()
                 torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
+                times.append(timer(replay)[0] * 1e3)
             rows.append((mode, threads, blocks, chunk, statistics.median(times)))
             print(f"{mode:<11} threads {threads:>4} blocks/SM {blocks} chunk {chunk:>6}: "
                   f"{rows[-1][-1]:.3f} ms", flush=True)

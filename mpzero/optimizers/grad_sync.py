@@ -97,7 +97,7 @@ class GradBucket:
         # Direct gradients (see the module docstring): param -> its gradient's slice for
         # this bucket's fragment, standing for the reduced shard; None when not direct.
         self._direct: dict[int, torch.Tensor] | None = None
-        self.direct_ok = False  # set by GradSync: local_only without fixed shard addresses
+        self.direct_ok = True  # direct gradients allowed (where may_go_direct says they can be)
 
     def _assert_state(self, *states: GradState) -> None:
         if self.state not in states:
@@ -129,14 +129,11 @@ class GradBucket:
         direct, self._direct = self._direct, None
         if direct is None:
             return
-        buf = _fresh_buffer(self.layout.size, self.dtype, self.device)
-        gaps = [buf[a:b] for a, b in self._gaps if b > a]
-        if gaps:
-            torch._foreach_zero_(gaps)
-        frags = self.layout.fragments
-        kernels.multi_copy([direct[f.param] for f in frags],
-                           [buf[f.bucket_start:f.bucket_end] for f in frags])
-        self._shard = buf
+        # The staged first copies of every fragment, as the fill would have made them.
+        self._staged = [(f, direct[f.param]) for f in self.layout.fragments]
+        self._written, self.buffer = set(self._params), None
+        self._define()
+        self._shard, self.buffer = self.buffer, None
 
     def _ensure_buffer(self) -> torch.Tensor:
         if self.buffer is None:  # a fresh buffer is allocated at its first copy or add
@@ -246,7 +243,10 @@ class GradBucket:
 
     @property
     def may_go_direct(self) -> bool:
-        return self.direct_ok and not self.stable_shard and self.persistent_incoming is None
+        """Nothing to reduce and no fixed shard address (contiguous buffer, CUDA graphs,
+        nccl_ub's registered pool)."""
+        return (self.direct_ok and self.local_only and self.persistent is None
+                and not self.stable_shard and self.persistent_incoming is None)
 
     def _can_go_direct(self) -> bool:
         """Every fragment's one gradient is staged, nothing added, no earlier values."""
@@ -343,7 +343,6 @@ class GradSync:
         local = group_size(distributed_group) == 1 and group_size(redundant_group) == 1
         for b in self.buckets:
             b.local_only = local
-            b.direct_ok = local and b.persistent is None
         self.ctx = ctx
         self.distributed_group = distributed_group
         self.redundant_group = redundant_group
@@ -439,6 +438,3 @@ class GradSync:
         """After a step the next step needs a fresh sync (gradients persist until reset)."""
         for bucket in self.buckets:
             bucket.launched_since_reset = False
-
-    def shards(self) -> list[torch.Tensor | None]:
-        return [b.shard for b in self.buckets]

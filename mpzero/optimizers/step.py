@@ -58,10 +58,11 @@ class StepMixin:
         tp_rank = tensor_parallel_rank(self.model_parallel_group)
         for bucket, st, lay in zip(self._grad.buckets, self._shards, self._layouts):
             direct = bucket.direct_grads()
-            if direct is None and bucket.shard is None:
+            shard = None if direct is not None else bucket.shard
+            if direct is None and shard is None:
                 continue
             if wanted is None and direct is None:
-                views += [bucket.shard[a:b] for a, b, counted in st.norm_ranges if counted]
+                views += [shard[a:b] for a, b, counted in st.norm_ranges if counted]
                 continue
             for piece in lay.shard_pieces(self.distributed_rank):
                 if wanted is None:
@@ -72,7 +73,7 @@ class StepMixin:
                         getattr(p, "tensor_model_parallel", False) or tp_rank == 0)
                 if keep:
                     views.append(direct[piece.param] if direct is not None
-                                 else bucket.shard[piece.shard_start:piece.shard_end])
+                                 else shard[piece.shard_start:piece.shard_end])
         return views
 
     def grad_norm(self, parameters=None, norm_type: float = 2.0,
