@@ -91,9 +91,9 @@ def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
         value = getattr(a, key)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]
-    for flag in ("compile", "cpu"):
+    for flag in ("compile", "cpu", "openai_gelu"):
         if getattr(a, flag):
-            out.append(f"--{flag}")
+            out.append(f"--{flag.replace('_', '-')}")
     out.append("--overlap-param-sync" if a.overlap_param_sync else "--no-overlap-param-sync")
     return out
 
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = parse_args(argv)
     shape = {k: getattr(a, k) for k in SHAPE_FLAGS}
     print(f"shape {shape}, grad-acc {a.grad_acc}, ranks {a.nproc}, "
+          f"{'tanh' if a.openai_gelu else 'exact'} GELU, "
           f"{'cpu (gloo)' if a.cpu else 'cuda (nccl)'}, warmup {a.warmup}, iters {a.iters}"
           f"{', compiled (' + a.compile_mode + ')' if a.compile else ''}", flush=True)
     rows = []
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if a.json:  # after every setup: a run cut off later keeps the rows it has
             Path(a.json).write_text(json.dumps({"shape": shape, "nproc": a.nproc,
                                                 "grad_acc": a.grad_acc, "compile": a.compile,
+                                                "openai_gelu": a.openai_gelu,
                                                 "compile_mode": a.compile_mode, "rows": rows},
                                                indent=1))
     print(table(rows))

@@ -187,7 +187,7 @@ def model_config(a) -> GPTConfig:
     """The GPT of the shape flags (:func:`add_shape_args`)."""
     return GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                     attention_backend=a.attention_backend)
+                     attention_backend=a.attention_backend, openai_gelu=a.openai_gelu)
 
 
 def run(setup: str, a) -> dict | None:
@@ -228,7 +228,8 @@ def run(setup: str, a) -> dict | None:
         name = torch.cuda.get_device_name(device)
         peak = next((v for k, v in logging_utils.PEAK_BF16_TFLOPS.items() if k in name), None)
     return {"setup": setup, "compile": a.compile_mode if a.compile else None, "world": world,
-            "attention_backend": a.attention_backend,
+            "attention_backend": a.attention_backend, "openai_gelu": a.openai_gelu,
+            "grad_acc": a.grad_acc,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
@@ -250,6 +251,8 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-acc", type=int, default=1, help="micro-batches per iteration")
     g.add_argument("--attention-backend", choices=["auto", *ATTENTION_BACKENDS], default="auto",
                    help="SDPA kernel of every setup (the example's flag)")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="every setup's MLP with GELU's tanh approximation (the example's flag)")
     g = p.add_argument_group("run")
     g.add_argument("--warmup", type=int, default=5, help="untimed iterations (compilation)")
     g.add_argument("--iters", type=int, default=20, help="timed iterations")

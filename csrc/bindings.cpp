@@ -34,6 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("noop_flag"));
   m.def("multi_copy", &mpzero::multi_copy, "Multi-tensor cast/copy", py::arg("srcs"),
         py::arg("dsts"), py::arg("noop_flag"));
+  m.def("cross_entropy_stats", &mpzero::cross_entropy_stats,
+        "Per row of logits [N, V]: max, sum exp(x - max), target logit, sum (fp32 [N, 4])",
+        py::arg("logits"), py::arg("target"), py::arg("stats"));
+  m.def("cross_entropy_backward", &mpzero::cross_entropy_backward,
+        "grad = (exp(x - lse) - off_target - on_target * onehot(target)) * grad_loss",
+        py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("grad_loss"),
+        py::arg("on_target"), py::arg("off_target"), py::arg("grad"));
   m.def("set_launch_config", &mpzero::set_launch_config,
         "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
         py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));

@@ -75,6 +75,15 @@ at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tens
 void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
                 std::optional<at::Tensor> noop_flag);
 
+// Cross entropy over logits [N, V] (rows with last stride 1); see cross_entropy.cu.
+// stats [N, 4] fp32 per row: max, sum exp(x - max), target logit (0 for target -1), sum x.
+void cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target, at::Tensor stats);
+// grad = (exp(x - lse) - off_target - on_target * [col == target]) * grad_loss[row];
+// grad may be logits itself.
+void cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
+                            const at::Tensor& lse, const at::Tensor& grad_loss,
+                            double on_target, double off_target, at::Tensor grad);
+
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);
 std::tuple<int64_t, int64_t, int64_t> get_launch_config();

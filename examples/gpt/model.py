@@ -61,6 +61,7 @@ class GPTConfig:
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"  # or "RMSNorm" (no bias)
     swiglu: bool = False  # SiLU-gated MLP: fc holds gate and up features, interleaved
+    openai_gelu: bool = False  # GELU's tanh approximation (GPT-2's, Megatron's fused bias-GELU)
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
@@ -315,6 +316,7 @@ class MLP(nn.Module):
         super().__init__()
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
         self.swiglu = cfg.swiglu
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         self.fc = tp.ColumnParallelLinear(cfg.hidden_size, fc_out, bias=cfg.linear_bias,
                                           init_method=tp.init_method_normal(cfg.init_std),
@@ -330,7 +332,7 @@ class MLP(nn.Module):
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         y, _ = self.proj(y)  # (B, T, h)
         return y
 
@@ -441,10 +443,14 @@ class GPT(nn.Module):
         return self.cross_entropy(logits, targets)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``: its own method, so
-        ``--compile`` compiles it next to the blocks (eager, its chunk loop launches
-        about ten kernels per chunk over the largest activation of the model)."""
-        loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group)  # (B, T)
+        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``, which the backward
+        overwrites with their gradient (``inplace_backward``: no second logits-sized
+        buffer; pass logits nothing else reads). On CUDA the fused kernels run (two
+        reads of the logits); elsewhere the chunked path, which is why this is its own
+        method: ``--compile`` compiles it next to the blocks (eager, the chunk loop
+        launches about ten kernels per chunk over the largest activation)."""
+        loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group,
+                                               inplace_backward=True)  # (B, T)
         return loss.mean()
 
     def param_groups(self, weight_decay: float) -> list[dict]:

@@ -62,7 +62,7 @@ from model import (  # noqa: E402
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
              "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
-             "disable_bias_linear")
+             "disable_bias_linear", "openai_gelu")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--swiglu", action="store_true", help="SiLU-gated MLP (Llama)")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GELU's tanh approximation (GPT-2's; the function of Megatron's fused "
+                        "bias-GELU) instead of the exact erf GELU: cheaper elementwise kernels")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")
@@ -293,7 +296,8 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      recompute_num_layers=args.recompute_num_layers,
                      position_embedding_type=args.position_embedding_type,
                      rotary_base=args.rotary_base, normalization=args.normalization,
-                     swiglu=args.swiglu, num_query_groups=args.num_query_groups,
+                     swiglu=args.swiglu, openai_gelu=args.openai_gelu,
+                     num_query_groups=args.num_query_groups,
                      untie_embeddings_and_output_weights=
                          args.untie_embeddings_and_output_weights,
                      add_bias_linear=not args.disable_bias_linear,

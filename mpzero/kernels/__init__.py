@@ -37,7 +37,8 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
     _cuda = None
 
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
-           "extension_available"]
+           "extension_available", "cross_entropy_stats", "cross_entropy_backward",
+           "fused_cross_entropy_available"]
 
 Scalar = float | int | torch.Tensor
 
@@ -218,3 +219,36 @@ def multi_copy(
         _cuda.multi_copy(srcs, dsts, noop_flag=noop_flag)
     else:
         reference.multi_copy(srcs, dsts, noop_flag=noop_flag)
+
+
+_CE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
+    """The CUDA cross-entropy kernels can take these logits (CUDA, fp32/fp16/bf16, the
+    extension built with them)."""
+    return (_cuda is not None and logits.is_cuda and logits.dtype in _CE_DTYPES
+            and _cuda.cross_entropy_available())
+
+
+def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` ``[N, V]`` (last stride 1), in one read: fp32 ``[N, 4]`` of
+    the row's max ``m``, ``sum(exp(x - m))``, the logit at ``target`` (int64 ``[N]``
+    column, or -1 for none: 0) and the sum of the logits."""
+    if fused_cross_entropy_available(logits):
+        return _cuda.cross_entropy_stats(logits, target)
+    return reference.cross_entropy_stats(logits, target)
+
+
+def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                           grad_loss: torch.Tensor, on_target: float, off_target: float,
+                           out: torch.Tensor) -> None:
+    """``out = (exp(logits - lse) - off_target - on_target * onehot(target)) * grad_loss``
+    row by row (``lse``, ``grad_loss``: fp32 ``[N]``; ``target`` as in
+    :func:`cross_entropy_stats`), fp32 math rounded once; ``out`` may be ``logits``."""
+    if fused_cross_entropy_available(logits):
+        _cuda.cross_entropy_backward(logits, target, lse, grad_loss, on_target, off_target,
+                                     out)
+    else:
+        reference.cross_entropy_backward(logits, target, lse, grad_loss, on_target,
+                                         off_target, out)

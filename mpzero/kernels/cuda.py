@@ -23,6 +23,8 @@ __all__ = [
     "chunk_balancing",
     "set_split_access",
     "split_access",
+    "cross_entropy_stats",
+    "cross_entropy_backward",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -212,6 +214,23 @@ def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:
 
 def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
     _C.multi_copy(list(srcs), list(dsts), noop_flag)
+
+
+def cross_entropy_available() -> bool:
+    """The built extension has the fused cross-entropy kernels (an older build may not)."""
+    return hasattr(_C, "cross_entropy_stats")
+
+
+def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    stats = torch.empty(logits.shape[0], 4, dtype=torch.float32, device=logits.device)
+    _C.cross_entropy_stats(logits, target, stats)
+    return stats
+
+
+def cross_entropy_backward(logits, target, lse, grad_loss, on_target: float,
+                           off_target: float, out: torch.Tensor) -> None:
+    _C.cross_entropy_backward(logits, target, lse, grad_loss, float(on_target),
+                              float(off_target), out)
 
 
 def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:

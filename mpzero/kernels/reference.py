@@ -231,3 +231,27 @@ def multi_copy(
             continue
         src = s.reshape(d.shape)
         d.copy_(src if noop_flag is None else _keep_if(noop_flag, d, src.to(d.dtype)))
+
+
+def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` ``[N, V]``: ``(max, sum exp(x - max), x[target], sum x)`` as
+    fp32 ``[N, 4]``; the target's logit is 0 where ``target`` is -1 (not on this rank)."""
+    x = logits.float()
+    m = x.amax(dim=-1)
+    s = torch.exp(x - m.unsqueeze(-1)).sum(dim=-1)
+    here = target >= 0
+    t = x.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~here, 0.0)
+    return torch.stack([m, s, t, x.sum(dim=-1)], dim=-1)
+
+
+def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                           grad_loss: torch.Tensor, on_target: float, off_target: float,
+                           out: torch.Tensor) -> None:
+    """``out = (exp(x - lse) - off_target - on_target * onehot(target)) * grad_loss``
+    per row, fp32 math, one rounding to ``out``'s dtype; ``out`` may be ``logits``."""
+    g = grad_loss.unsqueeze(-1)
+    p = torch.exp(logits.float() - lse.unsqueeze(-1)).sub_(off_target)
+    here = target >= 0
+    hit = torch.full_like(lse, -on_target).masked_fill_(~here, 0.0).unsqueeze(-1)
+    p.scatter_add_(-1, target.clamp(min=0).unsqueeze(-1), hit)
+    out.copy_(p.mul_(g))

@@ -17,6 +17,17 @@ that stored gradient by the incoming per-token gradient. At TP=1 each chunk is
 read once (max, sums and gradient in one pass); with TP > 1 the global max and
 sums are needed before the gradient, so the chunks are read twice, with one
 all-reduce of the max and one of the sums in between, whatever the chunk count.
+
+CUDA logits (fp32/fp16/bf16, with ``mpzero._C`` built) take the fused path instead:
+two kernels, each one read of the logits (csrc/cross_entropy.cu). The forward reads
+each row once for its max, its online-rescaled ``sum(exp(x - max))``, the target's
+logit and the sum of the logits; over TP ranks those combine with one all-reduce of
+the maxes and one of the (rescaled) sums. It keeps the logits and ``logsumexp`` per
+token; the backward reads the logits again and writes ``(softmax - target
+distribution) * grad`` in fp32 math, rounded once, into a new tensor, or over the
+logits themselves with ``inplace_backward=True`` (no second logits-sized buffer; the
+graph can then be back-propagated only once). Three passes over logits-sized memory
+in all, against the chunked path's six at least.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mpzero import kernels
 from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank, tp_world_size, vocab_range
 
 # fp32 scratch per chunk (elements); 2^25 fp32 = 128 MiB.
@@ -141,10 +153,67 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return out.view(ctx.logits_shape), None, None, None, None, None
 
 
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """Two reads of the logits: per-row statistics forward, the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, group, inplace_backward):
+        world = tp_world_size(group)
+        vl = logits.shape[-1]
+        flat = logits.reshape(-1, vl)
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        start, end = vocab_range(vl, tp_rank(group))
+        tgt = target.reshape(-1).long()
+        local = torch.where((tgt >= start) & (tgt < end), tgt - start, -1)
+        m, s, t, total = kernels.cross_entropy_stats(flat, local).unbind(-1)
+        if world > 1:
+            gm = m.clone()
+            dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
+            # Each rank's sum rescaled to the global max (a row all -inf stays 0).
+            s = torch.where(m == gm, s, s * torch.exp(m - gm))
+            sums = torch.stack([s, t, total])
+            dist.all_reduce(sums, group=group)
+            (s, t, total), m = sums.unbind(0), gm
+        lse = m + torch.log(s)
+        loss = lse - t  # -log p[target]
+        eps, vocab_size = label_smoothing, vl * world
+        if eps > 0.0:  # as in the chunked path: (1-eps) * nll + eps * mean_v(-log p)
+            loss = (1.0 - eps) * loss + eps * (lse - total / vocab_size)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(flat, local, lse)
+        ctx.eps, ctx.vocab_size, ctx.inplace, ctx.done = eps, vocab_size, inplace_backward, False
+        ctx.logits_shape = logits.shape
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.inplace:
+            if ctx.done:
+                raise RuntimeError(
+                    "vocab_parallel_cross_entropy(inplace_backward=True): a second backward "
+                    "through the same loss, but the first wrote the gradient over the "
+                    "logits; use inplace_backward=False to back-propagate more than once")
+            ctx.done = True
+        flat, local, lse = ctx.saved_tensors
+        out = flat if ctx.inplace else torch.empty_like(flat)
+        g = grad_loss.reshape(-1).float().contiguous()
+        kernels.cross_entropy_backward(flat, local, lse, g, 1.0 - ctx.eps,
+                                       ctx.eps / ctx.vocab_size, out)
+        return out.view(ctx.logits_shape), None, None, None, None
+
+
+@torch.compiler.disable  # two extension kernels; under torch.compile a graph break
+def _fused_cross_entropy(logits, target, label_smoothing, group, inplace_backward):
+    return _FusedVocabParallelCrossEntropy.apply(logits, target, label_smoothing, group,
+                                                 inplace_backward)
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  label_smoothing: float = 0.0,
                                  tp_group: dist.ProcessGroup | None = None, *,
-                                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+                                 chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+                                 inplace_backward: bool = False) -> torch.Tensor:
     """Per-token cross entropy of vocab-sharded logits; no reduction.
 
     ``vocab_parallel_logits`` is ``[..., V/tp]`` (this rank's vocabulary block),
@@ -155,6 +224,11 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     forward pass and kept in the logits' dtype (see the module docstring). When no
     gradient is needed (``torch.no_grad()``, logits without ``requires_grad``) it is
     not computed. ``tp_group`` defaults to parallel_state's TP group.
+
+    CUDA logits of those dtypes take the fused kernels instead (module docstring;
+    ``chunk_elements`` does not apply): the gradient is computed in the backward pass,
+    in a new tensor, or, with ``inplace_backward=True``, over the logits (which the
+    caller must not use afterwards; the loss can then be back-propagated once only).
     """
     if target.shape != vocab_parallel_logits.shape[:-1]:
         raise ValueError(
@@ -166,6 +240,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
     group = resolve_tp_group(tp_group)
+    if kernels.fused_cross_entropy_available(vocab_parallel_logits):
+        return _fused_cross_entropy(vocab_parallel_logits, target, float(label_smoothing),
+                                    group, bool(inplace_backward))
     need_grad = torch.is_grad_enabled() and vocab_parallel_logits.requires_grad
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target,
                                             float(label_smoothing), group, need_grad,

@@ -172,3 +172,20 @@ def test_attention_is_causal_sdpa_without_a_mask(monkeypatch):
     for args, kwargs in calls:
         assert args == () and kwargs.get("is_causal") is True, kwargs
         assert kwargs.get("attn_mask") is None and "attn_mask" not in kwargs
+
+
+def test_openai_gelu_is_the_tanh_approximation():
+    """``openai_gelu`` (``--openai-gelu``): the MLP applies GELU's tanh approximation, the
+    rest of the model is unchanged (same weights from one seed)."""
+    x = torch.randn(2, 5, CFG["hidden_size"], generator=torch.Generator().manual_seed(3))
+    out = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        mlp = GPT(GPTConfig(**CFG, openai_gelu=flag)).blocks[0].mlp
+        with torch.no_grad():
+            out[flag] = mlp(x)
+            h = mlp.fc(x)[0]
+            want = mlp.proj(torch.nn.functional.gelu(h, approximate="tanh" if flag else
+                                                     "none"))[0]
+        torch.testing.assert_close(out[flag], want, rtol=0, atol=0)
+    assert not torch.equal(out[False], out[True])

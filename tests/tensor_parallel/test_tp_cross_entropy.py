@@ -176,3 +176,63 @@ def test_stored_gradient_is_the_rounded_fp32_gradient(world, dtype):
     onehot`` (computed as the chunk loop does) rounded once to the logits' dtype, for
     chunks that split the tokens and for an out-of-range target (no one-hot)."""
     assert all(world(1, _stored_gradient, dtype))
+
+
+# -- the fused path (CUDA kernels; here the same algorithm with the reference kernels)
+
+def _check_fused(tp):
+    """``_fused_cross_entropy`` (the path CUDA logits take; on CPU it runs the reference
+    kernels, so this checks the statistics' combination over TP ranks, the loss and the
+    backward against F.cross_entropy on the full logits)."""
+    from mpzero.tensor_parallel.cross_entropy import _fused_cross_entropy
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    group = ps.get_tensor_model_parallel_group()
+    r, width = ps.get_tensor_model_parallel_rank(), BIG_VOCAB // tp
+    cols = slice(r * width, (r + 1) * width)
+    gen = torch.Generator().manual_seed(2)
+    logits = 4.0 * torch.randn(3, 7, BIG_VOCAB, generator=gen)
+    logits[0, 0, 5] += 40.0  # one rank's max far above the others' (the rescaled sums)
+    logits[1, 2, -3] = float("-inf")  # a vocabulary entry that can never be predicted
+    target = torch.randint(BIG_VOCAB, (3, 7), generator=gen)
+    target[0, 0], target[2, 6] = 0, BIG_VOCAB - 1  # the first and last id
+    weights = torch.rand(3, 7, generator=gen)
+    for ls in (0.0, 0.1):
+        for dtype, grad_tol in ((torch.float32, FP32), (torch.bfloat16, BF16_GRAD)):
+            full = logits.to(dtype)
+            ref_loss, ref_grad = _ref(full, target, weights, ls)
+            for inplace in (False, True):
+                local = full[..., cols].clone().requires_grad_()
+                x = local * 1 if inplace else local  # the function may overwrite x
+                loss = _fused_cross_entropy(x, target, ls, group, inplace)
+                torch.testing.assert_close(loss, ref_loss.float(), **FP32)
+                loss.backward(weights)
+                assert local.grad.dtype == dtype
+                torch.testing.assert_close(local.grad, ref_grad[..., cols], **grad_tol)
+                if inplace:  # the gradient was written over the logits
+                    torch.testing.assert_close(x.detach(), local.grad, rtol=0, atol=0)
+    # In place: a second backward through the same loss is refused, not wrong.
+    x = logits[..., cols].clone().requires_grad_()
+    loss = _fused_cross_entropy(x * 1, target, 0.0, group, True)
+    loss.backward(weights, retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace_backward=False"):
+        loss.backward(weights)
+    # Not in place: twice through one graph doubles the gradient.
+    x = logits[..., cols].clone().requires_grad_()
+    loss = _fused_cross_entropy(x, target, 0.0, group, False)
+    loss.backward(weights, retain_graph=True)
+    first = x.grad.clone()
+    loss.backward(weights)
+    torch.testing.assert_close(x.grad, 2 * first, rtol=1e-6, atol=0)
+    # No gradient wanted: nothing kept for backward.
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.no_grad():
+            _fused_cross_entropy(x, target, 0.0, group, False)
+    assert saved == []
+    return True
+
+
+@pytest.mark.parametrize("world_size,tp", [(1, 1), (2, 2), (4, 4)])
+def test_fused_path_matches_full_cross_entropy(world, world_size, tp):
+    assert all(world(world_size, _check_fused, tp))
