@@ -139,3 +139,98 @@ def _not_at_world_2():
 
 def test_no_direct_gradients_when_reducing(world):
     assert all(world(2, _not_at_world_2, timeout=120))
+
+
+# ------------------------------------------- the step's native-plan path, emulated on the CPU
+def _emulated_adam_plan(calls):
+    """A stand-in for ``kernels.adam_plan`` (the CUDA ``AdamPlan``): the same contract,
+    run by the kernel it was chosen for. Each call fills the fixed lists from the
+    per-step tensors through ``slots`` (an entry's length is that of its fixed tensors)."""
+    def adam_plan(kernel, remainders, lists, slots, dynamic_like):
+        fixed = [None if lst is None else list(lst) for lst in lists]
+
+        def numel(entry):
+            return next(lst[entry].numel() for lst in fixed
+                        if lst is not None and lst[entry] is not None)
+
+        def plan(dynamic, **hyper):
+            filled = [None if lst is None else list(lst) for lst in fixed]
+            for pos, entry, base, offset in slots:
+                filled[pos][entry] = dynamic[base][offset:offset + numel(entry)]
+            calls.append(len(dynamic))
+            kernel(*filled, **hyper)
+
+        return plan
+    return adam_plan
+
+
+def _native_steps(native: bool, config: str):
+    """Eight steps with hyper-parameters changing between them (lr every step, one group's
+    bias correction and the other's weight decay off and on again), steps with and
+    without direct gradients (a parameter without gradient, a second backward adding to
+    the first); ``native``: through emulated native plans. The final parameters, the
+    native calls, and the per-phase keys that went native."""
+    from mpzero import kernels
+
+    dtype = torch.bfloat16 if config == "remainders" else torch.float32
+    kw = dict(grad_sync_dtype=torch.float32)
+    if config == "buffered":  # fp32 params, bf16 sync: shard-sized outputs, then gathered
+        kw = dict(param_sync_dtype=torch.bfloat16)
+    elif config == "remainders":
+        kw = dict(store_params=False, store_param_remainders=True,
+                  grad_sync_dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16)
+    elif config == "contiguous":
+        kw.update(contiguous_grad_buffer=True, contiguous_param_buffer=True)
+    model = make_model(dtype=dtype)
+    first = [model.fc1.weight, model.fc2.weight, model.head.weight]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt = DistributedFusedAdam([{"params": first}, {"params": rest, "lr": 3e-3}],
+                               lr=1e-2, weight_decay=0.01, bucket_cap_mb=CAP, **kw)
+    start = [p.detach().clone() for p in model.parameters()]
+    calls: list[int] = []
+    original = kernels.adam_plan
+    if native:
+        kernels.adam_plan = _emulated_adam_plan(calls)
+    try:
+        data = batches(1, 8, 2, dtype=dtype)
+        for s in range(8):
+            for gi, group in enumerate(opt.param_groups):
+                group["lr"] = 1e-2 / (s + 1 + gi)
+            if s in (2, 7):  # group 1's bias correction off, then on again
+                opt.param_groups[1]["bias_correction"] = s == 7
+                opt.param_groups[0]["weight_decay"] = 0.05 if s == 2 else 0.0
+            opt.zero_grad()
+            (x0, y0), (x1, y1) = data[s][0]
+            _loss(model, x0, y0, use_fc2=s != 4).backward()  # 4: a parameter without gradient
+            if s == 5:  # a second backward adds to the first: no direct gradients
+                _loss(model, x1, y1).backward()
+            opt.step()
+    finally:
+        kernels.adam_plan = original
+    memo = {k for phase in opt._phases(False) for k in phase.memo if isinstance(k, tuple)}
+    params = [p.detach().clone() for p in model.parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(params, start)), "a parameter never moved"
+    return params, len(calls), memo
+
+
+def _native_equals_plain(config):
+    got, n_native, memo = _native_steps(True, config)
+    want, n_plain, _ = _native_steps(False, config)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert n_plain == 0 and n_native >= 8
+    # Both bias corrections of group 1 went native; with and without direct gradients
+    # where the step may take them.
+    assert {bias for bias, _ in memo} == {(True, True), (True, False)}, memo
+    assert {direct for _, direct in memo} == (
+        {True, False} if config in ("direct", "remainders") else {False}), memo
+    return True
+
+
+@pytest.mark.parametrize("config", ["direct", "buffered", "remainders", "contiguous"])
+def test_native_plan_path_equals_unplanned(world, config):
+    """The step's path through native plans (kernels.adam_plan, emulated here: it needs
+    CUDA) gives the same bits as the CPU kernels on filled lists, while hyper-parameters
+    change and steps alternate between direct gradients and shards; what it caches per
+    phase is keyed by what may change (the groups' bias corrections, direct or not)."""
+    assert all(world(1, _native_equals_plain, config, timeout=120))

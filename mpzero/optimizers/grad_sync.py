@@ -372,7 +372,12 @@ class GradSync:
 
     # -- launching -----------------------------------------------------------------
     def round_active(self) -> bool:
-        return self._cursor > 0 or any(b.state is GradState.FILLING for b in self.buckets)
+        if self._cursor > 0:
+            return True
+        for b in self.buckets:  # a plain loop: a generator costs more than the test
+            if b.state is GradState.FILLING:
+                return True
+        return False
 
     def launch_ready(self) -> None:
         """Launch complete buckets, in order, up to the first incomplete one."""

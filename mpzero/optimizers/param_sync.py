@@ -121,12 +121,24 @@ class ParamSync:
         self.buckets_of_param = {p: [f.bucket for f in frags]
                                  for p, frags in fragments_by_param(layouts).items()}
         self._gathering: list[int] = []  # bucket indices in the order their gathers started
+        # False only when every bucket is known CURRENT: a bucket leaves CURRENT only
+        # through mark_stale below, so pending() and sync_all() skip the per-bucket scan
+        # (the usual case at the start of a step, and at its end where the step wrote the
+        # parameters in place).
+        self._maybe_pending = False
 
     def mark_stale(self, index: int) -> torch.Tensor:
+        self._maybe_pending = True
         return self.buckets[index].mark_stale()
 
     def pending(self) -> bool:
-        return any(b.state is not ParamState.CURRENT for b in self.buckets)
+        if not self._maybe_pending:
+            return False
+        for b in self.buckets:
+            if b.state is not ParamState.CURRENT:
+                return True
+        self._maybe_pending = False
+        return False
 
     def start_through(self, index: int) -> None:
         """Start the gathers of every stale bucket with index >= ``index``, highest first,
@@ -162,7 +174,10 @@ class ParamSync:
 
     def sync_all(self) -> None:
         """Gather every stale bucket and copy out (``param_sync()``)."""
+        if not self._maybe_pending:
+            return
         self.start_through(0)
         for i in range(len(self.buckets)):
             if self.buckets[i].state is ParamState.GATHERING:
                 self.buckets[i].finish(self.params)
+        self._maybe_pending = False  # every bucket is CURRENT now

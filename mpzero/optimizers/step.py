@@ -16,6 +16,8 @@ into the same ``grad_scale`` device scalar the kernels read.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -39,6 +41,9 @@ class Phase(NamedTuple):
     planned: list[int]  # launched through a StepPlan
     general: list[int]  # the rest (argument lists made per step)
     plan_key: tuple  # (bucket, writes the params directly) of the planned ones
+    # What _planned_adam works out once for this phase (direct-gradient order, plans
+    # and their fully native launches, by bias corrections x direct).
+    memo: dict
 
 
 class StepMixin:
@@ -202,8 +207,13 @@ class StepMixin:
             self._step_t.add_(1.0 if found_inf is None else 1.0 - found_inf)
         else:
             self._steps += 1
-        with torch.no_grad():
+        # torch.no_grad() without its two per-call objects (what its __enter__/__exit__ do).
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             self._local_step(found_inf if self.capturable else None)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
         self._mirror_step()
         self._grad.mark_stepped()
         self._reset_grad_scale()
@@ -290,7 +300,7 @@ class StepMixin:
         planned = [b for b in buckets if plannable[b]]
         return Phase(buckets, [b for b in buckets if not direct[b]], start, planned,
                      [b for b in buckets if not plannable[b]],
-                     tuple((b, direct[b]) for b in planned))
+                     tuple((b, direct[b]) for b in planned), {})
 
     def _local_step(self, found_inf: torch.Tensor | None = None) -> None:
         self._found_inf_for_kernels = found_inf
@@ -323,27 +333,43 @@ class StepMixin:
 
     def _planned_adam(self, phase: Phase, outs) -> None:
         buckets = phase.planned
-        grads = self._direct_grads(phase)
-        direct = grads is not None
-        if not direct:
+        directs = self._direct_dicts(phase)
+        direct = directs is not None
+        key = (tuple([bool(g["bias_correction"]) for g in self.param_groups]), direct)
+        memo = phase.memo
+        native = memo.get(key)
+        if native is not None:
+            # Every launch has a native plan: it takes the per-step tensors only (the
+            # direct gradients straight from the buckets' dicts, no per-bucket lists).
+            plan, runs_of = native
+            grads = None if direct else {b: self._grad.buckets[b].shard for b in buckets}
+            self._prepare_outs(plan, outs)
+            hyper = {}
+            for launch, runs in runs_of:
+                kw = hyper.get(launch.group)
+                if kw is None:
+                    kw = hyper[launch.group] = self._hyper(launch.group)
+                if direct:
+                    dynamic = []
+                    for i, get, single in runs:
+                        if single:
+                            dynamic.append(get(directs[i]))
+                        else:
+                            dynamic += get(directs[i])
+                else:
+                    dynamic = launch.per_step(grads, outs)
+                launch.native(dynamic, **kw)
+            return
+        if direct:
+            grads = {b: list(map(d.__getitem__, params))
+                     for (b, params), d in zip(self._direct_order(phase), directs)}
+        else:
             grads = {b: self._grad.buckets[b].shard for b in buckets}
-        key = (phase.plan_key, tuple(bool(g["bias_correction"]) for g in self.param_groups),
-               direct)
         plans = self.__dict__.setdefault("_plans", {})
-        plan = plans.get(key)
+        plan = plans.get((phase.plan_key, *key))
         if plan is None:
-            plan = plans[key] = self._build_plan(buckets, outs, direct)
-        found_inf = self._found_inf_for_kernels
-        for b in plan.needs_out:
-            st = self._shards[b]
-            if st.remainder is not None:
-                # The bf16 high halves come from the parameters and are updated in place,
-                # in the buffer that is then gathered.
-                if self._param_sync.buckets[b].persistent is None:  # else out *is* params
-                    self._copy_params_into(outs[b], self._layouts[b].shard_pieces(
-                        self.distributed_rank))
-            elif found_inf is not None:
-                outs[b].copy_(st.master)  # a skipped step (device flag) gathers old values
+            plan = plans[(phase.plan_key, *key)] = self._build_plan(buckets, outs, direct)
+        self._prepare_outs(plan, outs)
         pieces = None
         hyper = {}
         for launch in plan.launches:
@@ -361,6 +387,39 @@ class StepMixin:
             if launch.kernel is None:
                 self._choose_kernel(plan, launch, lists, grads, outs, kw["bias_correction"])
             launch.kernel(*lists, **kw)
+        if all(launch.native is not None for launch in plan.launches):
+            memo[key] = (plan, [(launch, self._direct_runs(phase, launch) if direct else None)
+                                for launch in plan.launches])
+
+    def _prepare_outs(self, plan: StepPlan, outs) -> None:
+        """What the output buffers must hold before the launches."""
+        found_inf = self._found_inf_for_kernels
+        for b in plan.needs_out:
+            st = self._shards[b]
+            if st.remainder is not None:
+                # The bf16 high halves come from the parameters and are updated in place,
+                # in the buffer that is then gathered.
+                if self._param_sync.buckets[b].persistent is None:  # else out *is* params
+                    self._copy_params_into(outs[b], self._layouts[b].shard_pieces(
+                        self.distributed_rank))
+            elif found_inf is not None:
+                outs[b].copy_(st.master)  # a skipped step (device flag) gathers old values
+
+    def _direct_runs(self, phase: Phase, launch) -> list[tuple[int, Callable, bool]]:
+        """A native ``launch``'s per-step tensors with direct gradients, as runs of one
+        bucket each: ``(position of the bucket in phase.planned, getter, single)``, the
+        getter taking that bucket's direct dict to its gradients of the run (one tensor
+        where ``single``, else a tuple), in ``launch.bases`` order (what ``per_step``
+        gives)."""
+        pos = {b: i for i, b in enumerate(phase.planned)}
+        params = dict(self._direct_order(phase))
+        runs: list[tuple[int, list[int]]] = []
+        for b, which, j in launch.bases:
+            assert which == GRAD, "a direct plan's per-step tensors are its gradients"
+            if not runs or runs[-1][0] != pos[b]:
+                runs.append((pos[b], []))
+            runs[-1][1].append(params[b][j])
+        return [(i, itemgetter(*ps), len(ps) == 1) for i, ps in runs]
 
     @staticmethod
     def _choose_kernel(plan: StepPlan, launch, lists, grads, outs, bias_correction) -> None:
@@ -372,27 +431,45 @@ class StepMixin:
         launch.native = kernels.adam_plan(launch.kernel, launch.remainders, fixed, slots,
                                           launch.per_step(grads, outs))
 
-    def _direct_grads(self, phase: Phase) -> dict[int, list[torch.Tensor]] | None:
-        """Per planned bucket of ``phase``, its direct gradients (grad_sync.py) in the order
-        of its pieces, where every one of them has them and writes its parameters in
-        place; else None (the buckets' shards are read)."""
-        cache = self.__dict__.setdefault("_direct_orders", {})
-        order = cache.get(phase.plan_key, False)
-        if order is False:  # (bucket index, bucket, parameter of each piece), made once
-            order = cache[phase.plan_key] = None if not all(
+    def _direct_order(self, phase: Phase) -> list[tuple[int, list[int]]] | None:
+        """``(bucket, parameter of each of its pieces)`` per planned bucket of ``phase``
+        where every one of them writes its parameters in place (so may step on direct
+        gradients), else None; made once."""
+        order = phase.memo.get("direct_order", False)
+        if order is False:
+            order = phase.memo["direct_order"] = None if not all(
                 writes for _, writes in phase.plan_key) else [
-                (b, self._grad.buckets[b],
-                 [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)])
+                (b, [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)])
                 for b in phase.planned]
-        if order is None:
+        return order
+
+    def _direct_dicts(self, phase: Phase) -> list[dict[int, torch.Tensor]] | None:
+        """Per planned bucket of ``phase`` (in order), its direct gradients (grad_sync.py:
+        ``{param: gradient}``) where every one of them has them and writes its
+        parameters in place; else None (the buckets' shards are read)."""
+        buckets = phase.memo.get("direct_buckets", False)
+        if buckets is False:
+            order = self._direct_order(phase)
+            buckets = phase.memo["direct_buckets"] = None if order is None else [
+                self._grad.buckets[b] for b, _ in order]
+        if buckets is None:
             return None
-        got = {}
-        for b, bucket, params in order:
+        got = []
+        for bucket in buckets:
             direct = bucket.direct_grads()
             if direct is None:
                 return None
-            got[b] = list(map(direct.__getitem__, params))
+            got.append(direct)
         return got
+
+    def _direct_grads(self, phase: Phase) -> dict[int, list[torch.Tensor]] | None:
+        """Per planned bucket of ``phase``, its direct gradients in the order of its pieces,
+        where every one of them has them and writes its parameters in place; else None."""
+        directs = self._direct_dicts(phase)
+        if directs is None:
+            return None
+        return {b: list(map(d.__getitem__, params))
+                for (b, params), d in zip(self._direct_order(phase), directs)}
 
     def _build_plan(self, buckets, outs, direct: bool = False) -> StepPlan:
         """``direct``: the gradients come as one tensor per piece (direct gradients)."""
