@@ -3,7 +3,7 @@
 # measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
-#                             [profile] [peers] [peers-eager] [gelu]
+#                             [profile] [peers] [peers-ga] [peers-eager] [gelu]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -15,6 +15,7 @@
 #              device time per kernel class
 #   peers:     bench/bench_gpt_peers.py --compile, dfa setups against torch, FSDP2, DDP, ZeRO-1
 #              (1.3B; ~40 s a setup on an H200)
+#   peers-ga:  the same with --openai-gelu and 4 micro-batches per step (global batch 32)
 #   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
 #   gelu:      bench/bench_gelu.py (exact vs tanh GELU, fwd + bwd, compiled, 1.3B MLP shape)
 #
@@ -85,6 +86,9 @@ for s in $stages; do
     peers) stage peers python3 bench/bench_gpt_peers.py --compile \
              --setups dfa,dfa-remainders,adamw,torch,fsdp2,ddp,zero1 --warmup 5 --iters 12 \
              --json "$OUT/peers_compiled.json" ;;
+    peers-ga) stage peers-ga python3 bench/bench_gpt_peers.py --compile --openai-gelu \
+             --grad-acc 4 --setups dfa,torch,ddp,zero1,fsdp2,dfa-remainders --warmup 3 \
+             --iters 5 --json "$OUT/peers_ga4_tanh.json" ;;
     peers-eager) stage peers-eager python3 bench/bench_gpt_peers.py \
                    --setups torch,ddp,zero1,fsdp2,dfa,dfa-remainders,adamw --warmup 3 --iters 12 \
                    --json "$OUT/peers_eager.json" ;;
