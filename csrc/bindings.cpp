@@ -34,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("noop_flag"));
   m.def("multi_copy", &mpzero::multi_copy, "Multi-tensor cast/copy", py::arg("srcs"),
         py::arg("dsts"), py::arg("noop_flag"));
+  m.def("multi_add", &mpzero::multi_add, "Multi-tensor dst += src (fp32 math)", py::arg("srcs"),
+        py::arg("dsts"), py::arg("noop_flag"));
   m.def("cross_entropy_stats", &mpzero::cross_entropy_stats,
         "Per row of logits [N, V]: max, sum exp(x - max), target logit, sum (fp32 [N, 4])",
         py::arg("logits"), py::arg("target"), py::arg("stats"));

@@ -37,6 +37,37 @@ struct CastOp {
   }
 };
 
+// dst += src, in fp32, rounded once to D (the same values as ATen's dst.add_(src) where
+// every S value is a D value: the gradient accumulation of the optimizer's buckets).
+template <typename S, typename D>
+struct AddOp {
+  const float* noop;
+  __device__ __forceinline__ bool init() { return noop_set(noop); }
+  __device__ __forceinline__ void finish() {}
+  __device__ __forceinline__ void apply(const TensorListMeta<2>& meta, int t, int64_t begin,
+                                        int64_t end) {
+    const S* s = static_cast<const S*>(meta.ptr[0][t]);
+    D* d = static_cast<D*>(meta.ptr[1][t]);
+    for_chunk(
+        aligned16(s) && aligned16(d), begin, end,
+        [&](int64_t i) {
+          float a[kVec], b[kVec];
+          load8(s + i, a);
+          load8(d + i, b);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) b[j] = __fadd_rn(b[j], a[j]);
+          store8(d + i, b);
+        },
+        [&](int64_t base, int64_t e) {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            const int64_t i = scalar_index(base, j);
+            if (i < e) d[i] = from_float<D>(__fadd_rn(to_float(d[i]), to_float(s[i])));
+          }
+        });
+  }
+};
+
 // Raw copy of identical dtypes: indices are bytes; 16 bytes per thread per step (one uint4)
 // when both pointers are 16-byte aligned, bytes otherwise.
 constexpr int kRawVec = 16;
@@ -122,6 +153,46 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
         launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D>{noop});
       });
     });
+  }
+}
+
+void multi_add(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
+               std::optional<at::Tensor> noop_flag) {
+  const size_t n = srcs.size();
+  if (n == 0) return;
+  const at::Device dev = srcs[0].device();
+  check_list(srcs, "srcs", n, dev);
+  check_list(dsts, "dsts", n, dev);
+  const at::cuda::CUDAGuard guard(dev);
+  const float* noop = scalar_ptr(noop_flag, "noop_flag", dev);
+  const auto st = srcs[0].scalar_type(), dt = dsts[0].scalar_type();
+  std::vector<std::array<void*, 2>> ptrs;
+  std::vector<int64_t> numel;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(srcs[i].numel() == dsts[i].numel(), "mpzero.multi_add: pair ", num(i),
+                " has numel ", num(srcs[i].numel()), " vs ", num(dsts[i].numel()));
+    TORCH_CHECK(srcs[i].scalar_type() == st && dsts[i].scalar_type() == dt,
+                "mpzero.multi_add: every pair must have the first pair's dtypes");
+    if (srcs[i].numel() == 0) continue;
+    ptrs.push_back({srcs[i].data_ptr(), dsts[i].data_ptr()});
+    numel.push_back(srcs[i].numel());
+  }
+  if (numel.empty()) return;
+  // The pairs where every source value is a destination value.
+  auto launch = [&](auto s_tag, auto d_tag) {
+    using S = decltype(s_tag);
+    using D = decltype(d_tag);
+    launch_multi_tensor<2>(ptrs, numel, chunk_elems(), AddOp<S, D>{noop});
+  };
+  if (dt == at::kFloat) {
+    dispatch_float(st, [&](auto s_tag) { launch(s_tag, float{}); });
+  } else if (st == dt && dt == at::kBFloat16) {
+    launch(__nv_bfloat16{}, __nv_bfloat16{});
+  } else if (st == dt && dt == at::kHalf) {
+    launch(__half{}, __half{});
+  } else {
+    TORCH_CHECK(false, "mpzero.multi_add: unsupported dtypes (", c10::toString(st), " into ",
+                c10::toString(dt), ")");
   }
 }
 

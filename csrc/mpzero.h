@@ -75,6 +75,11 @@ at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tens
 void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
                 std::optional<at::Tensor> noop_flag);
 
+// dst += src for each pair (fp32 math, one rounding; src fp32/fp16/bf16 into fp32, or
+// bf16/fp16 into the same dtype), every pair with the first pair's dtypes.
+void multi_add(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor>& dsts,
+               std::optional<at::Tensor> noop_flag);
+
 // Cross entropy over logits [N, V] (rows with last stride 1); see cross_entropy.cu.
 // stats [N, 4] fp32 per row: max, sum exp(x - max), target logit (0 for target -1), sum x.
 void cross_entropy_stats(const at::Tensor& logits, const at::Tensor& target, at::Tensor stats);

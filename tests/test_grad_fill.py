@@ -133,9 +133,62 @@ def _staged_released():
         assert all(not b._staged for b in opt._grad.buckets)
         _loss(model, x, y, set()).backward()
         assert len(opt._grad.buckets) > 2
-        assert all(not b._staged for b in opt._grad.buckets)
+        assert all(not b._staged and not b._adds for b in opt._grad.buckets)
         opt.step()
     return True
+
+
+def _adds_batched():
+    """Accumulation: each later micro-batch's gradients go into a bucket with one
+    multi-tensor add covering all its fragments (made as the bucket's last gradient of
+    that pass arrives), and the accumulated gradient is the exact fp32 sum."""
+    from mpzero import kernels
+
+    torch.manual_seed(0)
+    model = make_model().to(torch.bfloat16)
+    opt = DistributedFusedAdam(model.parameters(), lr=LR, bucket_cap_mb=4 * TINY,
+                               grad_sync_dtype=torch.float32, overlap_grad_sync=True)
+    calls = []
+    original = kernels.multi_add
+
+    def counting(srcs, dsts):
+        calls.append(len(srcs))
+        original(srcs, dsts)
+
+    kernels.multi_add = counting
+    try:
+        data = batches(dist.get_world_size(), 1, 3)[0][dist.get_rank()]
+        opt.zero_grad()
+        grads = []
+        for m, (x, y) in enumerate(data):
+            ctx = opt.no_sync(greedy_grad_copy=True) if m < 2 else contextlib.nullcontext()
+            with ctx:
+                loss = _loss(model, x.bfloat16(), y.bfloat16(), set())
+                grads.append(torch.autograd.grad(loss, list(model.parameters()),
+                                                 retain_graph=True))
+                loss.backward()
+            if m == 0:
+                assert calls == []  # the first micro-batch is copied
+        buckets = opt._grad.buckets
+        n_frag = [len(b.layout.fragments) for b in buckets]
+        assert len(buckets) > 1 and max(n_frag) > 1, n_frag
+        assert sorted(calls) == sorted(n_frag * 2), (calls, n_frag)  # one add per bucket
+        # What the step reads: the fp32 sum of the three bf16 gradients, averaged over
+        # ranks (its norm; a lost or doubled addition changes it far beyond rounding).
+        total = [sum(g[i].float() for g in grads) for i in range(len(grads[0]))]
+        for t in total:
+            dist.all_reduce(t)
+            t /= dist.get_world_size()
+        want = torch.linalg.vector_norm(torch.cat([t.flatten() for t in total]))
+        torch.testing.assert_close(opt.grad_norm(), want, rtol=1e-6, atol=0)
+    finally:
+        kernels.multi_add = original
+    return True
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_accumulation_adds_one_launch_per_bucket(world, size):
+    assert all(world(size, _adds_batched, timeout=120))
 
 
 def test_staged_copies_released_per_bucket(world):

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
     _cuda = None
 
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
-           "extension_available", "cross_entropy_stats", "cross_entropy_backward",
+           "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
            "fused_cross_entropy_available"]
 
 Scalar = float | int | torch.Tensor
@@ -219,6 +219,18 @@ def multi_copy(
         _cuda.multi_copy(srcs, dsts, noop_flag=noop_flag)
     else:
         reference.multi_copy(srcs, dsts, noop_flag=noop_flag)
+
+
+def multi_add(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> None:
+    """``dst.add_(src)`` for every pair, in one launch on CUDA where the dtypes allow
+    (fp32/fp16/bf16 into fp32, or a 16-bit float into its own dtype: fp32 math, one
+    rounding, the same values as ``add_``). No two pairs may share destination memory."""
+    if len(srcs) == 0:
+        return
+    if _on_cuda(srcs, dsts) and _cuda.multi_add_supported(srcs, dsts):
+        _cuda.multi_add(srcs, dsts)
+    else:
+        reference.multi_add(srcs, dsts)
 
 
 _CE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

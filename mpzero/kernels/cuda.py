@@ -17,6 +17,7 @@ __all__ = [
     "adam_remainders",
     "l2norm",
     "multi_copy",
+    "multi_add",
     "set_launch_config",
     "get_launch_config",
     "set_chunk_balancing",
@@ -69,6 +70,16 @@ def multi_copy_supported(srcs, dsts) -> bool:
         s.dtype == d.dtype or (s.dtype in _FLOATS and d.dtype in _FLOATS)
         for s, d in zip(srcs, dsts)
     )
+
+
+def multi_add_supported(srcs, dsts) -> bool:
+    """Pairs of one dtype combination: fp32/fp16/bf16 into fp32, or bf16/fp16 into itself,
+    and an extension built with the kernel."""
+    if not srcs or not hasattr(_C, "multi_add"):
+        return False
+    st, dt = srcs[0].dtype, dsts[0].dtype
+    ok = (dt == torch.float32 and st in _FLOATS) or (st == dt and st in _FLOATS)
+    return ok and all(s.dtype == st and d.dtype == dt for s, d in zip(srcs, dsts))
 
 
 def _dev_scalar(x, device: torch.device, dtype=torch.float32) -> torch.Tensor:
@@ -214,6 +225,10 @@ def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:
 
 def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
     _C.multi_copy(list(srcs), list(dsts), noop_flag)
+
+
+def multi_add(srcs, dsts, *, noop_flag=None) -> None:
+    _C.multi_add(list(srcs), list(dsts), noop_flag)
 
 
 def cross_entropy_available() -> bool:

@@ -233,6 +233,16 @@ def multi_copy(
         d.copy_(src if noop_flag is None else _keep_if(noop_flag, d, src.to(d.dtype)))
 
 
+def multi_add(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> None:
+    """``dst.add_(src)`` for each pair (``src`` viewed in ``dst``'s shape)."""
+    _check_lists("multi_add", srcs, dsts)
+    for s, d in zip(srcs, dsts):
+        if s.numel() != d.numel():
+            raise ValueError(f"multi_add: numel {s.numel()} != {d.numel()}")
+        if s.numel():
+            d.add_(s.reshape(d.shape))
+
+
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per row of ``logits`` ``[N, V]``: ``(max, sum exp(x - max), x[target], sum x)`` as
     fp32 ``[N, 4]``; the target's logit is 0 where ``target`` is -1 (not on this rank)."""

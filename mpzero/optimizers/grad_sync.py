@@ -94,6 +94,10 @@ class GradBucket:
         self._written: set[int] | None = None
         self._gaps = _gaps(layout)  # bucket ranges no fragment covers
         self._staged: list[tuple[Fragment, torch.Tensor]] = []  # first copies to make
+        # Later gradients to add (accumulation), made with the copies in one launch each;
+        # ``_adding``: their parameters (a second gradient of one makes them first).
+        self._adds: list[tuple[Fragment, torch.Tensor]] = []
+        self._adding: set[int] = set()
         # Direct gradients (see the module docstring): param -> its gradient's slice for
         # this bucket's fragment, standing for the reduced shard; None when not direct.
         self._direct: dict[int, torch.Tensor] | None = None
@@ -112,12 +116,21 @@ class GradBucket:
 
     @property
     def shard(self) -> torch.Tensor | None:
-        """The reduced local shard (made from direct gradients first, if it stands for them)."""
+        """The reduced local shard (made from direct gradients first, if it stands for them;
+        with the staged additions made where the shard is this round's buffer)."""
         if not self.shard_valid:
             return None
         if self._direct is not None:
             self.materialize()
+        if self._adds and self.buffer is self._shard:
+            self.copy_staged()
         return self._shard
+
+    @property
+    def all_pending(self) -> bool:
+        """A gradient of every fragment waits in the staged copies and additions (so
+        one launch of each makes them all)."""
+        return len(self._staged) + len(self._adds) >= len(self.layout.fragments)
 
     def direct_grads(self) -> dict[int, torch.Tensor] | None:
         """Direct gradients standing for the synced shard: ``{param: flat gradient slice
@@ -176,20 +189,36 @@ class GradBucket:
             else:
                 self._staged.append((fragment, grad))  # the cast copy, made later in place
             return
+        exact = _exact_cast(grad.dtype, self.dtype)
+        if exact and self.persistent is None and not self.stable_shard:
+            # Staged: one multi-tensor add per bucket (copy_staged) instead of an add_ per
+            # parameter, the same values (fp32 math, one rounding).
+            if fragment.param in self._adding:
+                self.copy_staged()  # its earlier addition first
+            self._adding.add(fragment.param)
+            self._adds.append((fragment, grad))
+            return
         self.copy_staged()
         view = self._ensure_buffer()[fragment.bucket_start : fragment.bucket_end]
-        if _exact_cast(grad.dtype, self.dtype):
+        if exact:
             view.add_(grad)  # mixed-dtype add: the same sums without a cast copy
         else:
             view.add_(grad.to(self.dtype))  # round to the sync dtype first, as ever
 
     def copy_staged(self) -> None:
-        """Make the staged first copies: one multi-tensor cast for all of them."""
+        """Make the staged first copies (one multi-tensor cast for all of them), then the
+        staged additions (one multi-tensor add)."""
         staged, self._staged = self._staged, []
         if staged:
             buf = self._ensure_buffer()
             kernels.multi_copy([g for _, g in staged],
                                [buf[f.bucket_start:f.bucket_end] for f, _ in staged])
+        adds, self._adds = self._adds, []
+        if adds:
+            self._adding = set()
+            buf = self._ensure_buffer()
+            kernels.multi_add([g for _, g in adds],
+                              [buf[f.bucket_start:f.bucket_end] for f, _ in adds])
 
     def _define(self) -> None:
         """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""
@@ -251,7 +280,7 @@ class GradBucket:
     def _can_go_direct(self) -> bool:
         """Every fragment's one gradient is staged, nothing added, no earlier values."""
         return (self.may_go_direct and self._written is not None and not self.shard_valid
-                and len(self._staged) == len(self.layout.fragments)
+                and not self._adds and len(self._staged) == len(self.layout.fragments)
                 and len(self._written) == len(self._params))
 
     def finish_sync(self) -> None:
@@ -289,6 +318,7 @@ class GradBucket:
         if self.persistent is not None:
             self.persistent.zero_()
         self._staged, self._direct = [], None  # dropped gradients need no copy
+        self._adds, self._adding = [], set()
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
@@ -367,8 +397,8 @@ class GradSync:
                 self._finish(bucket)  # a new round for a bucket still in flight
             bucket.add(f, flat)
             bucket.mark_arrived(param)
-            if bucket.complete and not bucket.may_go_direct:
-                bucket.copy_staged()  # every gradient is in: release them
+            if bucket.complete and bucket.all_pending and not bucket.may_go_direct:
+                bucket.copy_staged()  # every gradient of this pass is in: release them
 
     # -- launching -----------------------------------------------------------------
     def round_active(self) -> bool:

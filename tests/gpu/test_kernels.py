@@ -425,6 +425,39 @@ def test_multi_copy_noop_and_many():
     kernels.multi_copy([], [])
 
 
+ADD_PAIRS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+             (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+             (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("sdt,ddt", ADD_PAIRS)
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_multi_add_equals_add_(sdt, ddt, offset):
+    """One launch for many pairs, bit for bit ``dst.add_(src)`` (the gradient
+    accumulation into the buckets), odd sizes, misaligned views, more pairs than one
+    launch holds."""
+    assert kc.multi_add_supported([torch.empty(1, dtype=sdt, device=DEV)],
+                                  [torch.empty(1, dtype=ddt, device=DEV)])
+    gen = _gen()
+    sizes = SIZES + list(range(1, 300))
+    srcs = [_rand(n, sdt, gen, offset, 10.0) for n in sizes]
+    dsts = [_rand(n, ddt, gen, (offset * 2) % 5, 10.0) for n in sizes]
+    want = [d.clone().add_(s) for s, d in zip(srcs, dsts)]
+    kernels.multi_add(srcs, dsts)
+    for w, d in zip(want, dsts):
+        assert _same_bits(d, w)
+    kernels.multi_add([], [])
+
+
+def test_multi_add_refuses_what_it_cannot_make_exactly():
+    a, b = torch.ones(8, device=DEV), torch.ones(8, device=DEV, dtype=torch.bfloat16)
+    assert not kc.multi_add_supported([a], [b])  # fp32 into bf16 rounds first: not here
+    kernels.multi_add([a], [b])  # the reference path instead
+    assert torch.equal(b, torch.full_like(b, 2.0))
+    with pytest.raises(RuntimeError, match="unsupported dtypes"):
+        kc.multi_add([a], [b])
+
+
 def test_launch_config_variants_agree():
     old = kc.get_launch_config()
     configs = [(512, 0, 16384), (256, 2, 4096), (512, 0, 65536), (128, 3, 1000), (64, 1, 1)]
