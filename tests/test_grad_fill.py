@@ -169,6 +169,8 @@ def _adds_batched():
                 loss.backward()
             if m == 0:
                 assert calls == []  # the first micro-batch is copied
+            else:  # nothing held back once a pass is in (no gradient kept alive)
+                assert all(not b._staged and not b._adds for b in opt._grad.buckets), m
         buckets = opt._grad.buckets
         n_frag = [len(b.layout.fragments) for b in buckets]
         assert len(buckets) > 1 and max(n_frag) > 1, n_frag

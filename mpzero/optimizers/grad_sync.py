@@ -132,6 +132,13 @@ class GradBucket:
         one launch of each makes them all)."""
         return len(self._staged) + len(self._adds) >= len(self.layout.fragments)
 
+    def release_if_complete(self) -> None:
+        """Every gradient of this pass is in: make the staged copies and additions now,
+        releasing the gradients, unless they are first copies that may stand for the
+        shard (direct gradients)."""
+        if self.complete and self.all_pending and (self._adds or not self.may_go_direct):
+            self.copy_staged()
+
     def direct_grads(self) -> dict[int, torch.Tensor] | None:
         """Direct gradients standing for the synced shard: ``{param: flat gradient slice
         of its fragment}`` (in the parameter's dtype), or None when the shard is a buffer."""
@@ -193,8 +200,10 @@ class GradBucket:
         if exact and self.persistent is None and not self.stable_shard:
             # Staged: one multi-tensor add per bucket (copy_staged) instead of an add_ per
             # parameter, the same values (fp32 math, one rounding).
-            if fragment.param in self._adding:
-                self.copy_staged()  # its earlier addition first
+            if self._staged or fragment.param in self._adding:
+                # A second gradient: the first copies can no longer stand for the shard
+                # (direct), so they are made now; or this fragment's earlier addition.
+                self.copy_staged()
             self._adding.add(fragment.param)
             self._adds.append((fragment, grad))
             return
@@ -397,8 +406,7 @@ class GradSync:
                 self._finish(bucket)  # a new round for a bucket still in flight
             bucket.add(f, flat)
             bucket.mark_arrived(param)
-            if bucket.complete and bucket.all_pending and not bucket.may_go_direct:
-                bucket.copy_staged()  # every gradient of this pass is in: release them
+            bucket.release_if_complete()
 
     # -- launching -----------------------------------------------------------------
     def round_active(self) -> bool:
