@@ -1,5 +1,5 @@
 // Multi-tensor copy: casts among fp32/fp16/bf16 (round to nearest even) and raw byte
-// copies for identical dtypes of any kind. A nonzero noop flag makes every block return
+// copies for identical dtypes of any kind; and multi-tensor accumulation (dst += src). A nonzero noop flag makes every block return
 // before writing.
 #include "mpzero.h"
 #include "multi_tensor_apply.cuh"
@@ -11,7 +11,10 @@ __device__ __forceinline__ bool noop_set(const float* noop) {
   return noop != nullptr && *noop != 0.0f;
 }
 
-template <typename S, typename D>
+// d = s cast to D (kAdd false), or d += s in fp32 rounded once to D (kAdd true: the same
+// values as ATen's d.add_(s) where every S value is a D value, the gradient accumulation
+// of the optimizer's buckets).
+template <typename S, typename D, bool kAdd>
 struct CastOp {
   const float* noop;
   __device__ __forceinline__ bool init() { return noop_set(noop); }
@@ -25,44 +28,21 @@ struct CastOp {
         [&](int64_t i) {
           float r[kVec];
           load8(s + i, r);
+          if constexpr (kAdd) {
+            float b[kVec];
+            load8(d + i, b);
+#pragma unroll
+            for (int j = 0; j < kVec; ++j) r[j] = __fadd_rn(b[j], r[j]);
+          }
           store8(d + i, r);
         },
         [&](int64_t base, int64_t e) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
             const int64_t i = scalar_index(base, j);
-            if (i < e) d[i] = from_float<D>(to_float(s[i]));
-          }
-        });
-  }
-};
-
-// dst += src, in fp32, rounded once to D (the same values as ATen's dst.add_(src) where
-// every S value is a D value: the gradient accumulation of the optimizer's buckets).
-template <typename S, typename D>
-struct AddOp {
-  const float* noop;
-  __device__ __forceinline__ bool init() { return noop_set(noop); }
-  __device__ __forceinline__ void finish() {}
-  __device__ __forceinline__ void apply(const TensorListMeta<2>& meta, int t, int64_t begin,
-                                        int64_t end) {
-    const S* s = static_cast<const S*>(meta.ptr[0][t]);
-    D* d = static_cast<D*>(meta.ptr[1][t]);
-    for_chunk(
-        aligned16(s) && aligned16(d), begin, end,
-        [&](int64_t i) {
-          float a[kVec], b[kVec];
-          load8(s + i, a);
-          load8(d + i, b);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) b[j] = __fadd_rn(b[j], a[j]);
-          store8(d + i, b);
-        },
-        [&](int64_t base, int64_t e) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const int64_t i = scalar_index(base, j);
-            if (i < e) d[i] = from_float<D>(__fadd_rn(to_float(d[i]), to_float(s[i])));
+            if (i >= e) continue;
+            const float x = to_float(s[i]);
+            d[i] = from_float<D>(kAdd ? __fadd_rn(to_float(d[i]), x) : x);
           }
         });
   }
@@ -150,7 +130,7 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
       dispatch_float(dt, [&](auto d_tag) {
         using S = decltype(s_tag);
         using D = decltype(d_tag);
-        launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D>{noop});
+        launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D, false>{noop});
       });
     });
   }
@@ -182,7 +162,7 @@ void multi_add(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor
   auto launch = [&](auto s_tag, auto d_tag) {
     using S = decltype(s_tag);
     using D = decltype(d_tag);
-    launch_multi_tensor<2>(ptrs, numel, chunk_elems(), AddOp<S, D>{noop});
+    launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D, true>{noop});
   };
   if (dt == at::kFloat) {
     dispatch_float(st, [&](auto s_tag) { launch(s_tag, float{}); });

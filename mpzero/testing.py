@@ -41,6 +41,7 @@ __all__ = [
     "close_worlds",
     "requires_cuda",  # noqa: F822 - provided lazily by __getattr__ (imports pytest)
     "cuda_available",
+    "skip_module_without_extension",
 ]
 
 DEFAULT_TIMEOUT = float(os.environ.get("MPZERO_TEST_TIMEOUT", "120"))
@@ -63,6 +64,19 @@ def __getattr__(name: str):
 
         return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def skip_module_without_extension() -> None:
+    """Skip the calling test module (pytest) unless a CUDA device and the built
+    extension ``mpzero._C`` are both there."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device", allow_module_level=True)
+    try:
+        from mpzero import _C  # noqa: F401
+    except ImportError as e:  # depends on the build
+        pytest.skip(f"mpzero._C not built ({e})", allow_module_level=True)
 
 
 class RankError(RuntimeError):

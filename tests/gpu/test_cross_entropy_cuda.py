@@ -9,12 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-try:
-    from mpzero import _C  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"mpzero._C not built ({e})", allow_module_level=True)
+from mpzero.testing import skip_module_without_extension
+
+skip_module_without_extension()
 
 from mpzero import kernels  # noqa: E402
 from mpzero.kernels import cuda as kc  # noqa: E402
