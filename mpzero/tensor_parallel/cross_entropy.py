@@ -71,6 +71,26 @@ def _store_softmax_gradient(exp: torch.Tensor, sum_exp: torch.Tensor,
     out.scatter_(-1, idx, exp.gather(-1, idx).div_(total).add_(hit).to(out.dtype))
 
 
+def _local_targets(target: torch.Tensor, vl: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat targets as ``(inside, relative)``: whether this rank's vocabulary block
+    holds each, and its id relative to the block's start (int64)."""
+    start, end = vocab_range(vl, tp_rank(group))
+    tgt = target.reshape(-1).long()
+    return (tgt >= start) & (tgt < end), tgt - start
+
+
+def _loss(log_z: torch.Tensor, predicted: torch.Tensor, logit_sum: torch.Tensor | None,
+          eps: float, vocab_size: int) -> torch.Tensor:
+    """``-log p[target]`` from ``log Z`` and the target's logit (both shifted alike); with
+    label smoothing (``logit_sum``: the sum of the logits, shifted the same way) the
+    target distribution is ``(1-eps)*onehot + eps/V`` (torch's convention): the
+    smoothing term is the mean over the vocabulary of ``-log p``."""
+    loss = log_z - predicted
+    if eps > 0.0:
+        loss = (1.0 - eps) * loss + eps * (log_z - logit_sum / vocab_size)
+    return loss
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, label_smoothing, group, need_grad, chunk_elements):
@@ -81,10 +101,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64)
         eps, vocab_size = label_smoothing, vl * world
 
-        start, end = vocab_range(vl, tp_rank(group))
-        tgt = target.reshape(-1)
-        inside = (tgt >= start) & (tgt < end)
-        local_target = (tgt.long() - start).masked_fill(~inside, 0)
+        inside, local_target = _local_targets(target, vl, group)
+        local_target = local_target.masked_fill_(~inside, 0)
         grad = torch.empty_like(flat, memory_format=torch.contiguous_format) \
             if need_grad else None
         n_stats = 3 if eps > 0.0 else 2
@@ -124,12 +142,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(stats, group=group)  # the sums do not depend on each other
         predicted, sum_exp = stats[:, 0], stats[:, -1]
         log_z = torch.log(sum_exp)
-        loss = log_z - predicted  # -log p[target]
-        if eps > 0.0:
-            # The target distribution is (1-eps)*onehot + eps/V (torch's convention):
-            # the smoothing term is the mean over the vocabulary of -log p.
-            mean_neg_log_p = log_z - stats[:, 1] / vocab_size
-            loss = (1.0 - eps) * loss + eps * mean_neg_log_p
+        loss = _loss(log_z, predicted, stats[:, 1] if eps > 0.0 else None, eps, vocab_size)
 
         if world > 1 and grad is not None:  # second pass: softmax = exp(x - max - log Z)
             shift = logits_max + log_z
@@ -163,9 +176,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, vl)
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
-        start, end = vocab_range(vl, tp_rank(group))
-        tgt = target.reshape(-1).long()
-        local = torch.where((tgt >= start) & (tgt < end), tgt - start, -1)
+        inside, local = _local_targets(target, vl, group)
+        local = local.masked_fill_(~inside, -1)  # -1: not on this rank
         m, s, t, total = kernels.cross_entropy_stats(flat, local).unbind(-1)
         if world > 1:
             gm = m.clone()
@@ -176,10 +188,8 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(sums, group=group)
             (s, t, total), m = sums.unbind(0), gm
         lse = m + torch.log(s)
-        loss = lse - t  # -log p[target]
         eps, vocab_size = label_smoothing, vl * world
-        if eps > 0.0:  # as in the chunked path: (1-eps) * nll + eps * mean_v(-log p)
-            loss = (1.0 - eps) * loss + eps * (lse - total / vocab_size)
+        loss = _loss(lse, t, total, eps, vocab_size)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(flat, local, lse)
         ctx.eps, ctx.vocab_size, ctx.inplace, ctx.done = eps, vocab_size, inplace_backward, False
