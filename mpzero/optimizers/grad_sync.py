@@ -217,17 +217,12 @@ class GradBucket:
     def copy_staged(self) -> None:
         """Make the staged first copies (one multi-tensor cast for all of them), then the
         staged additions (one multi-tensor add)."""
-        staged, self._staged = self._staged, []
-        if staged:
-            buf = self._ensure_buffer()
-            kernels.multi_copy([g for _, g in staged],
-                               [buf[f.bucket_start:f.bucket_end] for f, _ in staged])
-        adds, self._adds = self._adds, []
-        if adds:
-            self._adding = set()
-            buf = self._ensure_buffer()
-            kernels.multi_add([g for _, g in adds],
-                              [buf[f.bucket_start:f.bucket_end] for f, _ in adds])
+        staged, adds = self._staged, self._adds
+        self._staged, self._adds, self._adding = [], [], set()
+        for pending, op in ((staged, kernels.multi_copy), (adds, kernels.multi_add)):
+            if pending:
+                buf = self._ensure_buffer()
+                op([g for _, g in pending], [buf[f.bucket_start:f.bucket_end] for f, _ in pending])
 
     def _define(self) -> None:
         """Zero what no gradient wrote into a fresh buffer (before anything reads it)."""

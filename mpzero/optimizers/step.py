@@ -16,8 +16,6 @@ into the same ``grad_scale`` device scalar the kernels read.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -28,6 +26,7 @@ from mpzero import comm, kernels
 from mpzero.kernels.precision import copy_high_bytes
 from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.options import is_byte_dtype
+from mpzero.optimizers.step_direct import DirectGradsMixin
 from mpzero.optimizers.step_plan import GRAD, OUT, PlanBuilder, StepPlan
 from mpzero.warn import user_stacklevel
 
@@ -46,7 +45,7 @@ class Phase(NamedTuple):
     memo: dict
 
 
-class StepMixin:
+class StepMixin(DirectGradsMixin):
     """Norms, AMP and the step of DistributedFusedAdam."""
 
     def _local_sq_norm(self, parameters=None) -> torch.Tensor:
@@ -361,8 +360,7 @@ class StepMixin:
                 launch.native(dynamic, **kw)
             return
         if direct:
-            grads = {b: list(map(d.__getitem__, params))
-                     for (b, params), d in zip(self._direct_order(phase), directs)}
+            grads = self._direct_grads(phase, directs)
         else:
             grads = {b: self._grad.buckets[b].shard for b in buckets}
         plans = self.__dict__.setdefault("_plans", {})
@@ -405,22 +403,6 @@ class StepMixin:
             elif found_inf is not None:
                 outs[b].copy_(st.master)  # a skipped step (device flag) gathers old values
 
-    def _direct_runs(self, phase: Phase, launch) -> list[tuple[int, Callable, bool]]:
-        """A native ``launch``'s per-step tensors with direct gradients, as runs of one
-        bucket each: ``(position of the bucket in phase.planned, getter, single)``, the
-        getter taking that bucket's direct dict to its gradients of the run (one tensor
-        where ``single``, else a tuple), in ``launch.bases`` order (what ``per_step``
-        gives)."""
-        pos = {b: i for i, b in enumerate(phase.planned)}
-        params = dict(self._direct_order(phase))
-        runs: list[tuple[int, list[int]]] = []
-        for b, which, j in launch.bases:
-            assert which == GRAD, "a direct plan's per-step tensors are its gradients"
-            if not runs or runs[-1][0] != pos[b]:
-                runs.append((pos[b], []))
-            runs[-1][1].append(params[b][j])
-        return [(i, itemgetter(*ps), len(ps) == 1) for i, ps in runs]
-
     @staticmethod
     def _choose_kernel(plan: StepPlan, launch, lists, grads, outs, bias_correction) -> None:
         """First call of ``launch``: its implementation and, where that supports it, a
@@ -430,46 +412,6 @@ class StepMixin:
         fixed = launch.lists + ([None] if launch.remainders else [])
         launch.native = kernels.adam_plan(launch.kernel, launch.remainders, fixed, slots,
                                           launch.per_step(grads, outs))
-
-    def _direct_order(self, phase: Phase) -> list[tuple[int, list[int]]] | None:
-        """``(bucket, parameter of each of its pieces)`` per planned bucket of ``phase``
-        where every one of them writes its parameters in place (so may step on direct
-        gradients), else None; made once."""
-        order = phase.memo.get("direct_order", False)
-        if order is False:
-            order = phase.memo["direct_order"] = None if not all(
-                writes for _, writes in phase.plan_key) else [
-                (b, [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)])
-                for b in phase.planned]
-        return order
-
-    def _direct_dicts(self, phase: Phase) -> list[dict[int, torch.Tensor]] | None:
-        """Per planned bucket of ``phase`` (in order), its direct gradients (grad_sync.py:
-        ``{param: gradient}``) where every one of them has them and writes its
-        parameters in place; else None (the buckets' shards are read)."""
-        buckets = phase.memo.get("direct_buckets", False)
-        if buckets is False:
-            order = self._direct_order(phase)
-            buckets = phase.memo["direct_buckets"] = None if order is None else [
-                self._grad.buckets[b] for b, _ in order]
-        if buckets is None:
-            return None
-        got = []
-        for bucket in buckets:
-            direct = bucket.direct_grads()
-            if direct is None:
-                return None
-            got.append(direct)
-        return got
-
-    def _direct_grads(self, phase: Phase) -> dict[int, list[torch.Tensor]] | None:
-        """Per planned bucket of ``phase``, its direct gradients in the order of its pieces,
-        where every one of them has them and writes its parameters in place; else None."""
-        directs = self._direct_dicts(phase)
-        if directs is None:
-            return None
-        return {b: list(map(d.__getitem__, params))
-                for (b, params), d in zip(self._direct_order(phase), directs)}
 
     def _build_plan(self, buckets, outs, direct: bool = False) -> StepPlan:
         """``direct``: the gradients come as one tensor per piece (direct gradients)."""
