@@ -443,10 +443,10 @@ class GPT(nn.Module):
         return self.cross_entropy(logits, targets)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``, which the backward
-        overwrites with their gradient (``inplace_backward``: no second logits-sized
-        buffer; pass logits nothing else reads). On CUDA the fused kernels run (two
-        reads of the logits); elsewhere the chunked path, which is why this is its own
+        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``; pass logits nothing
+        else reads. On CUDA the fused kernels run (two reads of the logits) and the
+        backward overwrites the logits with their gradient (``inplace_backward``: no
+        second logits-sized buffer); elsewhere the chunked path, which is why this is its own
         method: ``--compile`` compiles it next to the blocks (eager, the chunk loop
         launches about ten kernels per chunk over the largest activation)."""
         loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group,
