@@ -177,17 +177,30 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
             device=device, overlap_grad_sync=True, overlap_param_sync=a.overlap_param_sync,
             bucket_cap_mb=a.bucket_cap_mb,
             grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,
-            store_param_remainders=setup == "dfa-remainders", compiled_units=units, **HP)
+            store_param_remainders=setup == "dfa-remainders", compiled_units=units,
+            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion, **HP)
+        if cfg.gradient_accumulation_fusion:
+            optim.prepare_grad_accumulation_fusion(opt)
         return Wrapped(model, model, opt, autocast=autocast,
                        no_sync=lambda: optim.no_sync(opt), clip=lambda: opt.clip_grad_norm(CLIP))
     raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
 
 
-def model_config(a) -> GPTConfig:
-    """The GPT of the shape flags (:func:`add_shape_args`)."""
+def grad_accumulation_fusion(setup: str, a) -> bool:
+    """The dfa setups' weight-gradient GEMMs add into the optimizer's buffer: as the flag
+    says, or (None) with several micro-batches per iteration, as the example does."""
+    if setup not in ("dfa", "dfa-remainders"):
+        return False
+    flag = a.gradient_accumulation_fusion
+    return a.grad_acc > 1 if flag is None else bool(flag)
+
+
+def model_config(a, setup: str = "") -> GPTConfig:
+    """The GPT of the shape flags (:func:`add_shape_args`) for ``setup``."""
     return GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                     attention_backend=a.attention_backend, openai_gelu=a.openai_gelu)
+                     attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
+                     gradient_accumulation_fusion=grad_accumulation_fusion(setup, a))
 
 
 def run(setup: str, a) -> dict | None:
@@ -195,7 +208,7 @@ def run(setup: str, a) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
         if not a.cpu else torch.device("cpu")
-    cfg = model_config(a)
+    cfg = model_config(a, setup)
     w = build(setup, cfg, device, a)
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each DP rank its own data
     total = a.warmup + a.iters
@@ -230,6 +243,7 @@ def run(setup: str, a) -> dict | None:
     return {"setup": setup, "compile": a.compile_mode if a.compile else None, "world": world,
             "attention_backend": a.attention_backend, "openai_gelu": a.openai_gelu,
             "grad_acc": a.grad_acc,
+            "gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
@@ -264,6 +278,9 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
                    default=True, help="dfa setups: all-gather parameters in the next forward")
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=None, help="dfa setups: weight-gradient GEMMs add into the "
+                   "optimizer's fp32 buffer (None: when --grad-acc > 1, as the example)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per device for MFU (None: known GPUs' dense bf16 peak, "
                         "e.g. 989 for H100/H200)")

@@ -45,6 +45,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.store_param_remainders and args.optimizer != "dfa":
         p.error(f"--store-param-remainders needs --optimizer dfa, got --optimizer "
                 f"{args.optimizer}")
+    if args.gradient_accumulation_fusion and args.optimizer != "dfa":
+        p.error(f"--gradient-accumulation-fusion needs --optimizer dfa, got --optimizer "
+                f"{args.optimizer}")
     if args.store_param_remainders and args.param_sync_dtype == "fp32":
         p.error("--store-param-remainders needs bf16 parameter gathers, got "
                 "--param-sync-dtype fp32")
@@ -64,6 +67,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.load is None and (args.load_iteration is not None or args.no_load_optim
                               or args.no_load_rng):
         warn("--load-iteration/--no-load-optim/--no-load-rng have no effect without --load")
+    if args.gradient_accumulation_fusion and args.autocast_bf16:
+        warn("--gradient-accumulation-fusion has no effect under --autocast-bf16 (the "
+             "layers fall back to plain weight gradients)")
     if args.compile_mode is not None and not args.compile:
         warn(f"--compile-mode {args.compile_mode} has no effect without --compile")
     if args.param_sync_dtype is not None and args.optimizer != "dfa":
@@ -72,3 +78,13 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.eval_interval and args.eval_interval > args.train_iters:
         warn(f"--eval-interval ({args.eval_interval}) > --train-iters ({args.train_iters}): "
              "validation runs only at the end")
+
+
+def grad_accumulation_fusion(args: argparse.Namespace, grad_acc: int) -> bool:
+    """``--gradient-accumulation-fusion`` resolved: as given, or (None) on where it pays:
+    DistributedFusedAdam, several micro-batches per step and no autocast. With one
+    micro-batch the plain bf16 weight gradients are cheaper (at one rank the optimizer
+    reads them as they are, with no fp32 buffer to fill)."""
+    if args.gradient_accumulation_fusion is not None:
+        return bool(args.gradient_accumulation_fusion)
+    return args.optimizer == "dfa" and grad_acc > 1 and not args.autocast_bf16

@@ -66,6 +66,9 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
     attention_backend: str = "auto"  # SDPA kernel: "auto" (torch picks) or ATTENTION_BACKENDS
+    # The TP linear layers add their weight gradients into the optimizer's main_grad
+    # (mpzero.tensor_parallel.grad_accumulation); not part of the architecture.
+    gradient_accumulation_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -199,7 +202,8 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_backend = ATTENTION_BACKENDS.get(cfg.attention_backend)  # None: auto
         self.selective_recompute = cfg.recompute_granularity == "selective"
         self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
-        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
+                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
         init = tp.init_method_normal(cfg.init_std)
         self.gqa = groups != nh
         if not self.gqa:
@@ -314,7 +318,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
-        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+        sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
+                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
@@ -391,7 +396,8 @@ class GPT(nn.Module):
             output_layer = tp.ColumnParallelLinear(
                 cfg.hidden_size, cfg.vocab_size, bias=False,
                 init_method=tp.init_method_normal(cfg.init_std), tp_group=tp_group,
-                sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM)
+                sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
+                gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
         if pre_process or (post_process and tied):
             self.wte = wte
         self.wpe = wpe if pre_process else None

@@ -176,7 +176,8 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
                     bucket_cap_mb: float = 100.0, grad_sync_dtype: torch.dtype | None = None,
                     param_sync_dtype: torch.dtype | None = None,
                     store_param_remainders: bool = False,
-                    compiled_units: Sequence[torch.nn.Module] = ()):
+                    compiled_units: Sequence[torch.nn.Module] = (),
+                    gradient_accumulation_fusion: bool = False):
     """The optimizer over ``model.param_groups(weight_decay)`` wired to parallel_state.
 
     ``grad_sync_dtype``/``param_sync_dtype`` None: fp32 gradients, and parameters
@@ -186,12 +187,19 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
     parameters as the parameter plus an int16 remainder (``store_params=False``).
     ``compiled_units``: the modules whose forward is compiled; with
     ``overlap_param_sync`` each gets one forward pre-hook for all its parameters
-    (``attach(unit, unit=True)``) instead of hooks inside the compiled code."""
+    (``attach(unit, unit=True)``) instead of hooks inside the compiled code.
+    ``gradient_accumulation_fusion``: DistributedFusedAdam keeps its gradients in one
+    contiguous buffer and gives the parameters their ``main_grad`` views of it, into
+    which the model's TP linear layers (built with the same option) add their weight
+    gradients; call :func:`prepare_grad_accumulation_fusion` once every parameter is
+    laid out (after ``pipeline.tie_embedding``)."""
     groups = model.param_groups(weight_decay)
     mp_group = parallel_state.get_model_parallel_group()
     if name == "adamw":
         if store_param_remainders:
             raise ValueError("store_param_remainders needs optimizer 'dfa'")
+        if gradient_accumulation_fusion:
+            raise ValueError("gradient_accumulation_fusion needs optimizer 'dfa'")
         return DataParallelAdamW(groups, parallel_state.get_data_parallel_group(),
                                  model_parallel_group=mp_group, bucket_cap_mb=bucket_cap_mb,
                                  grad_sync_dtype=grad_sync_dtype,
@@ -210,6 +218,7 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
         store_params=not store_param_remainders, store_param_remainders=store_param_remainders,
         overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
         bucket_cap_mb=bucket_cap_mb, model_parallel_group=mp_group,
+        contiguous_grad_buffer=gradient_accumulation_fusion,
         **parallel_state.get_optimizer_process_groups(),
     )
     if overlap_param_sync:
@@ -217,6 +226,14 @@ def build_optimizer(name: str, model: torch.nn.Module, *, lr: float, weight_deca
             opt.attach(unit, unit=True)
         opt.attach(model)
     return opt
+
+
+def prepare_grad_accumulation_fusion(optimizer) -> None:
+    """Make DistributedFusedAdam's layout now: it gives every parameter its ``main_grad``
+    then, so the first micro-batch's weight gradients already go straight into it."""
+    params = [p for p in optimizer.parameters() if p.requires_grad]
+    if params:
+        optimizer.grad_buffer_view(params[0])
 
 
 def no_sync(optimizer):

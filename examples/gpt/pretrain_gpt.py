@@ -130,6 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
     g.add_argument("--optimizer", choices=["dfa", "adamw"], default="dfa",
                    help="dfa: DistributedFusedAdam (ZeRO-2); adamw: torch AdamW + all-reduce")
+    g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="the linear layers' weight-gradient GEMMs add into the optimizer's "
+                        "fp32 gradient buffer (dfa; None: on when accumulating over several "
+                        "micro-batches without autocast)")
     g = p.add_argument_group("precision and device")
     g.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations; fp32 master weights in the optimizer")
@@ -301,7 +306,9 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      untie_embeddings_and_output_weights=
                          args.untie_embeddings_and_output_weights,
                      add_bias_linear=not args.disable_bias_linear,
-                     attention_backend=args.attention_backend)
+                     attention_backend=args.attention_backend,
+                     gradient_accumulation_fusion=bool(
+                         getattr(args, "gradient_accumulation_fusion", False)))
 
 
 def lr_at(iteration: int, args) -> float:
@@ -409,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
                          f"{dp})")
     grad_acc = args.global_batch_size // (args.micro_batch_size * dp)
+    args.gradient_accumulation_fusion = arg_checks.grad_accumulation_fusion(args, grad_acc)
     if args.autocast_bf16 and device.type == "cpu" and rank == 0:
         print("note: --autocast-bf16 is for GPUs; computing in fp32 on CPU")
     autocast = precision.autocast_factory(args, device)
@@ -439,8 +447,11 @@ def main(argv: list[str] | None = None) -> None:
         bucket_cap_mb=args.bucket_cap_mb,
         grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None,
         param_sync_dtype=dtypes[args.param_sync_dtype],
-        store_param_remainders=args.store_param_remainders, compiled_units=compiled)
+        store_param_remainders=args.store_param_remainders, compiled_units=compiled,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
+    if args.gradient_accumulation_fusion:
+        optim.prepare_grad_accumulation_fusion(optimizer)
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)
 
@@ -475,7 +486,9 @@ def main(argv: list[str] | None = None) -> None:
               f"distributed {parallel_state.get_distributed_optimizer_world_size()} x redundant "
               f"{parallel_state.get_redundant_optimizer_world_size()}; global batch "
               f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
-              f"{grad_acc}; {device.type} {precision_name}"
+              f"{grad_acc}"
+              f"{' (accumulated in the GEMMs)' if args.gradient_accumulation_fusion else ''}; "
+              f"{device.type} {precision_name}"
               f"{' compiled (' + (args.compile_mode or 'block') + ')' if args.compile else ''}",
               flush=True)
 

@@ -142,6 +142,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self.greedy_grad_copy = True
         self._no_sync = False
         self._round_close_queued = False
+        self._main_grads = False  # parameters carry main_grad (contiguous_grad_buffer)
 
         self._groups = _resolve_groups(process_group, distributed_process_group,
                                        redundant_process_group)
@@ -233,6 +234,35 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
             return
         self._ensure_layout()
         self._take_grad(index, param)
+        self._grad_arrived()
+
+    def _provide_main_grads(self) -> None:
+        """``contiguous_grad_buffer``: give every trainable parameter ``main_grad`` (its
+        view of the buffer) and ``main_grad_ready`` (a 0-dim leaf whose gradient says
+        the layer added into ``main_grad``): layers built with
+        ``gradient_accumulation_fusion=True`` then accumulate their weight gradients
+        straight into the buffer (``mpzero.tensor_parallel.grad_accumulation``)."""
+        for i, p in enumerate(self._params):
+            if not p.requires_grad or not self._grad.fragments.get(i):
+                continue
+            ready = torch.zeros((), device=p.device, requires_grad=True)
+            self._grad_hooks.append(ready.register_post_accumulate_grad_hook(
+                _weak_hook(self, "_on_main_grad_ready", i)))
+            p.main_grad = self.grad_buffer_view(p)
+            p.main_grad_ready = ready
+        self._main_grads = True
+
+    def _on_main_grad_ready(self, index: int, ready: torch.Tensor) -> None:
+        """A layer added parameter ``index``'s gradient into its ``main_grad`` (the
+        bucket buffer itself): it arrived, with nothing to copy."""
+        ready.grad = None
+        if not self.greedy_grad_copy:
+            return  # no_sync: it stays in the buffer, as param.grad would stay
+        self._grad.add_grad(index, None)
+        self._grad_arrived()
+
+    def _grad_arrived(self) -> None:
+        """After a gradient arrived: launch what is complete, in order."""
         self._norm_cache = None
         if self.overlap_grad_sync and not self._no_sync:
             self._grad.launch_ready()
@@ -248,6 +278,11 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self._round_close_queued = False
         if self.overlap_grad_sync and not self._no_sync and self._built:
             self._grad.close_round()
+            if self._main_grads:
+                # Layers write the next backward's gradients into the buffers in flight
+                # (main_grad) before any hook runs: each bucket's sync must be done (and
+                # its buffer zeroed) first. The main stream waits; the host does not.
+                self._grad.finish_all()
 
     def _take_grad(self, index: int, param: torch.Tensor) -> None:
         """Move ``param.grad`` into the buckets (in the parameter's memory order)."""

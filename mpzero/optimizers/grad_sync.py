@@ -387,11 +387,11 @@ class GradSync:
         self.version = 0  # bumps whenever the synced gradients change
 
     # -- gradients in --------------------------------------------------------------
-    def add_grad(self, param: int, grad: torch.Tensor) -> None:
+    def add_grad(self, param: int, grad: torch.Tensor | None) -> None:
         """Copy (add) one parameter's gradient into its buckets and mark it arrived.
 
-        ``grad`` is flat in the parameter's memory order."""
-        flat = grad
+        ``grad`` is flat in the parameter's memory order; None: it is in the buckets'
+        (persistent) buffers already (a layer added it into ``main_grad``)."""
         frags = self.fragments.get(param, ())
         if any(f.bucket < self._cursor for f in frags):
             self._close_round()  # a new micro-batch reached buckets this round launched
@@ -399,7 +399,10 @@ class GradSync:
             bucket = self.buckets[f.bucket]
             if bucket.state is GradState.SYNCING:
                 self._finish(bucket)  # a new round for a bucket still in flight
-            bucket.add(f, flat)
+            if grad is not None:
+                bucket.add(f, grad)
+            elif bucket.state is not GradState.FILLING:
+                bucket.start_fill()
             bucket.mark_arrived(param)
             bucket.release_if_complete()
 
@@ -443,6 +446,11 @@ class GradSync:
         while len(self._in_flight) > self.ctx.pipeline_size:
             self._finish(self._in_flight[0])
 
+    def finish_all(self) -> None:
+        """Finish every sync in flight (the main stream waits for it)."""
+        for bucket in list(self._in_flight):
+            self._finish(bucket)
+
     def _finish(self, bucket: GradBucket) -> None:
         bucket.finish_sync()
         self._in_flight.remove(bucket)
@@ -461,12 +469,10 @@ class GradSync:
         for i in todo:
             self._launch(self.buckets[i])
         self._cursor = 0
-        for bucket in list(self._in_flight):
-            self._finish(bucket)
+        self.finish_all()
 
     def reset(self) -> None:
-        for bucket in list(self._in_flight):
-            self._finish(bucket)
+        self.finish_all()
         for bucket in self.buckets:
             bucket.reset()
         self._cursor = 0

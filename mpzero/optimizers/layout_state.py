@@ -199,6 +199,8 @@ class LayoutMixin:
             ))
         if param_views is not None:
             self._params_to_buffer_views(param_views)
+        if grad_views is not None:
+            self._provide_main_grads()
         self._mirror_step()
 
     def _remaining_params(self) -> list[torch.Tensor]:

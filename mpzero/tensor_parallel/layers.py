@@ -26,6 +26,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mpzero.tensor_parallel.grad_accumulation import (
+    OPTIMIZER_ATTRS,
+    linear_with_grad_accumulation,
+)
 from mpzero.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -81,6 +85,14 @@ class _TensorParallelModule(nn.Module):
         self.tp_size = tp_world_size(self.tp_group)
         self.tp_rank = tp_rank(self.tp_group)
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear`` with this layer's weight; with ``gradient_accumulation_fusion``
+        the weight gradient is added into ``weight.main_grad`` where the optimizer
+        provides one (see :mod:`mpzero.tensor_parallel.grad_accumulation`)."""
+        if self.gradient_accumulation_fusion:
+            return linear_with_grad_accumulation(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def __deepcopy__(self, memo: dict) -> _TensorParallelModule:
         # A process group is a process-wide handle that cannot be copied: share it.
         memo.setdefault(id(self.tp_group), self.tp_group)
@@ -90,6 +102,9 @@ class _TensorParallelModule(nn.Module):
         # Parameter.__deepcopy__ drops Python attributes such as tensor_model_parallel.
         for name, param in self.named_parameters(recurse=False):
             for attr, value in vars(param).items():
+                # The optimizer's accumulation buffer belongs to the original's parameter.
+                if attr in OPTIMIZER_ATTRS:
+                    continue
                 if not hasattr(getattr(new, name), attr):
                     setattr(getattr(new, name), attr, value)
         return new
@@ -113,6 +128,12 @@ class ColumnParallelLinear(_TensorParallelModule):
     ``sequence_parallel=True``: the input is this rank's chunk of the sequence (dim
     ``sequence_dim``), all-gathered before the matmul; its gradient is
     reduce-scattered back to the chunk (instead of all-reduced).
+
+    ``gradient_accumulation_fusion=True`` (both linear layers): the weight-gradient
+    GEMM adds into ``weight.main_grad`` (fp32) where the optimizer provides it
+    (:class:`~mpzero.optimizers.DistributedFusedAdam` with
+    ``contiguous_grad_buffer=True``), instead of writing ``weight.grad``:
+    :mod:`mpzero.tensor_parallel.grad_accumulation`.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
@@ -120,9 +141,11 @@ class ColumnParallelLinear(_TensorParallelModule):
                  skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None,
                  tp_group: dist.ProcessGroup | None = None, *,
-                 sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 0,
+                 gradient_accumulation_fusion: bool = False) -> None:
         super().__init__(tp_group)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
@@ -150,7 +173,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)  # (..., out/tp)
+        out = self._linear(x, bias)  # (..., out/tp)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # (..., out)
         return out, (self.bias if self.skip_bias_add else None)
@@ -182,12 +205,14 @@ class RowParallelLinear(_TensorParallelModule):
                  skip_bias_add: bool = False, params_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None,
                  tp_group: dist.ProcessGroup | None = None, *,
-                 sequence_parallel: bool = False, sequence_dim: int = 0) -> None:
+                 sequence_parallel: bool = False, sequence_dim: int = 0,
+                 gradient_accumulation_fusion: bool = False) -> None:
         super().__init__(tp_group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear(sequence_parallel=True) needs "
                              "input_is_parallel=True")
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
@@ -214,7 +239,7 @@ class RowParallelLinear(_TensorParallelModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # (..., in/tp)
-        partial = F.linear(x, self.weight)  # (..., out), this rank's share of the sum
+        partial = self._linear(x, None)  # (..., out), this rank's share of the sum
         bias = self.bias
         if self.sequence_parallel:  # (.., s, ..) -> (.., s/tp, ..)
             out = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,

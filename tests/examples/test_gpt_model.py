@@ -189,3 +189,59 @@ def test_openai_gelu_is_the_tanh_approximation():
                                                      "none"))[0]
         torch.testing.assert_close(out[flag], want, rtol=0, atol=0)
     assert not torch.equal(out[False], out[True])
+
+
+def _fusion_vs_plain(tp_size: int) -> bool:
+    """The GPT with ``gradient_accumulation_fusion`` under DistributedFusedAdam (fp32
+    buffer, 3 micro-batches) trains like the same GPT without it: the TP linear
+    weights get no ``.grad``, their gradients go straight into the optimizer's buffer."""
+    import optim
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    params = {}
+    for fusion in (True, False):
+        cfg = GPTConfig(**CFG, gradient_accumulation_fusion=fusion)
+        torch.manual_seed(1234)
+        model = GPT(cfg)
+        opt = optim.build_optimizer("dfa", model, lr=1e-3, weight_decay=0.1,
+                                    betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"),
+                                    bucket_cap_mb=0.01, gradient_accumulation_fusion=fusion)
+        if fusion:
+            optim.prepare_grad_accumulation_fusion(opt)
+        for step in range(2):
+            for m in range(3):
+                ids, targets = _batch(cfg, 2 + m + step)
+                with optim.no_sync(opt) if m < 2 else torch.enable_grad():
+                    model(ids, targets).div(3).backward()
+                if fusion:
+                    assert model.blocks[0].mlp.fc.weight.grad is None
+            opt.step()
+            opt.zero_grad()
+        params[fusion] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(params[True], params[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ps.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("size,tp", [(1, 1), (2, 2)])
+def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp):
+    assert all(world(size, _fusion_vs_plain, tp))
+
+
+def test_gradient_accumulation_fusion_flag():
+    """``--gradient-accumulation-fusion``: on by default with DistributedFusedAdam and
+    several micro-batches (no autocast), as given otherwise; adamw refuses it."""
+    import arg_checks
+    import pretrain_gpt
+
+    def resolved(flags, grad_acc):
+        return arg_checks.grad_accumulation_fusion(pretrain_gpt.parse_args(flags), grad_acc)
+
+    assert resolved([], 4) and not resolved([], 1)
+    assert not resolved(["--optimizer", "adamw"], 4)
+    assert not resolved(["--autocast-bf16"], 4)
+    assert not resolved(["--no-gradient-accumulation-fusion"], 4)
+    assert resolved(["--gradient-accumulation-fusion"], 1)
+    with pytest.raises(SystemExit):
+        pretrain_gpt.parse_args(["--gradient-accumulation-fusion", "--optimizer", "adamw"])
