@@ -20,7 +20,9 @@ complete, before anything adds to it, or before it is read; so a staged gradient
 until its bucket completes (at most the incomplete buckets' gradients); with
 ``capturable`` each copy is made at once (a captured step must not read them). The contiguous
 grad buffer keeps the zeroed semantics (a user may write into ``grad_buffer_view()``
-between rounds).
+between rounds): every gradient is added, the additions staged the same way. Layers
+with gradient accumulation fusion add into it themselves (``main_grad``); such a
+fragment arrives with nothing to stage (:meth:`GradBucket.added_in_place`).
 
 Direct gradients: where this rank alone makes up both groups (nothing to reduce) and
 every parameter of a bucket brought exactly one gradient in the round, the bucket
@@ -98,6 +100,9 @@ class GradBucket:
         # ``_adding``: their parameters (a second gradient of one makes them first).
         self._adds: list[tuple[Fragment, torch.Tensor]] = []
         self._adding: set[int] = set()
+        # Fragments whose gradient a layer added into the buffer itself (main_grad) since
+        # the last launch of the staged work: they need no copy either.
+        self._in_place = 0
         # Direct gradients (see the module docstring): param -> its gradient's slice for
         # this bucket's fragment, standing for the reduced shard; None when not direct.
         self._direct: dict[int, torch.Tensor] | None = None
@@ -130,7 +135,8 @@ class GradBucket:
     def all_pending(self) -> bool:
         """A gradient of every fragment waits in the staged copies and additions (so
         one launch of each makes them all)."""
-        return len(self._staged) + len(self._adds) >= len(self.layout.fragments)
+        return (len(self._staged) + len(self._adds) + self._in_place
+                >= len(self.layout.fragments))
 
     def release_if_complete(self) -> None:
         """Every gradient of this pass is in: make the staged copies and additions now,
@@ -197,7 +203,7 @@ class GradBucket:
                 self._staged.append((fragment, grad))  # the cast copy, made later in place
             return
         exact = _exact_cast(grad.dtype, self.dtype)
-        if exact and self.persistent is None and not self.stable_shard:
+        if exact and not self.stable_shard:
             # Staged: one multi-tensor add per bucket (copy_staged) instead of an add_ per
             # parameter, the same values (fp32 math, one rounding).
             if self._staged or fragment.param in self._adding:
@@ -214,11 +220,17 @@ class GradBucket:
         else:
             view.add_(grad.to(self.dtype))  # round to the sync dtype first, as ever
 
+    def added_in_place(self) -> None:
+        """A layer added one fragment's gradient into the (persistent) buffer itself."""
+        if self.state is not GradState.FILLING:
+            self.start_fill()
+        self._in_place += 1
+
     def copy_staged(self) -> None:
         """Make the staged first copies (one multi-tensor cast for all of them), then the
         staged additions (one multi-tensor add)."""
         staged, adds = self._staged, self._adds
-        self._staged, self._adds, self._adding = [], [], set()
+        self._staged, self._adds, self._adding, self._in_place = [], [], set(), 0
         for pending, op in ((staged, kernels.multi_copy), (adds, kernels.multi_add)):
             if pending:
                 buf = self._ensure_buffer()
@@ -322,7 +334,7 @@ class GradBucket:
         if self.persistent is not None:
             self.persistent.zero_()
         self._staged, self._direct = [], None  # dropped gradients need no copy
-        self._adds, self._adding = [], set()
+        self._adds, self._adding, self._in_place = [], set(), 0
         self.buffer, self.arrived = None, set()
         self.shard_valid = False
         if not self.stable_shard:  # free the reduced shard (CUDA graphs keep its address)
@@ -401,8 +413,8 @@ class GradSync:
                 self._finish(bucket)  # a new round for a bucket still in flight
             if grad is not None:
                 bucket.add(f, grad)
-            elif bucket.state is not GradState.FILLING:
-                bucket.start_fill()
+            else:
+                bucket.added_in_place()
             bucket.mark_arrived(param)
             bucket.release_if_complete()
 

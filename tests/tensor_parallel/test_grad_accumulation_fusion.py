@@ -167,7 +167,7 @@ def test_dfa_fused_compiled(world):
 def _arrivals():
     """Fused weights arrive through main_grad_ready: after a backward every bucket is
     complete (what lets a bucket launch during the backward), though no weight got a
-    .grad."""
+    .grad, and no staged addition is left."""
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
     model = _MLP(True, torch.float32)
     opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=TINY,
@@ -177,6 +177,9 @@ def _arrivals():
         model(_randn(0, 4, 8)).sum().backward()
         assert model.fc.weight.grad is None
         assert len(opt._grad.buckets) > 4 and all(b.complete for b in opt._grad.buckets)
+        # The other parameters' additions are staged and made once each bucket is in
+        # (the fused weights count as arrived): nothing is left holding a gradient.
+        assert not any(b._adds for b in opt._grad.buckets)
     ps.destroy_model_parallel()
     return True
 
