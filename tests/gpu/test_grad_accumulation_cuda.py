@@ -26,14 +26,15 @@ def test_wgrad_accumulate_is_one_fp32_gemm():
     dy = torch.randn(8, 512, 384, device="cuda", generator=g).bfloat16()
     x = torch.randn(8, 512, 256, device="cuda", generator=g).bfloat16()
     acc = torch.randn(384, 256, device="cuda", generator=g)
-    want = acc + dy.reshape(-1, 384).float().t() @ x.reshape(-1, 256).float()
+    product = dy.reshape(-1, 384).float().t() @ x.reshape(-1, 256).float()
+    want = acc + product
     ga.wgrad_accumulate(acc, dy, x)
     assert ga._CUDA_OUT_DTYPE.get("ok") is True, "torch.addmm(out_dtype=fp32) is missing here"
     torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-3)
     # A bf16 main_grad (bf16 accumulation) takes the same-dtype path.
     acc16 = torch.zeros(384, 256, device="cuda", dtype=torch.bfloat16)
     ga.wgrad_accumulate(acc16, dy, x)
-    torch.testing.assert_close(acc16.float(), want - acc, rtol=1e-2, atol=0.5)
+    torch.testing.assert_close(acc16.float(), product, rtol=1e-2, atol=0.5)
 
 
 def _fused_grads(compiled: bool):
