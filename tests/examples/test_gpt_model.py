@@ -191,7 +191,7 @@ def test_openai_gelu_is_the_tanh_approximation():
     assert not torch.equal(out[False], out[True])
 
 
-def _fusion_vs_plain(tp_size: int) -> bool:
+def _fusion_vs_plain(tp_size: int, extra: dict | None = None) -> bool:
     """The GPT with ``gradient_accumulation_fusion`` under DistributedFusedAdam (fp32
     buffer, 3 micro-batches) trains like the same GPT without it: the TP linear
     weights get no ``.grad``, their gradients go straight into the optimizer's buffer."""
@@ -200,7 +200,7 @@ def _fusion_vs_plain(tp_size: int) -> bool:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     params = {}
     for fusion in (True, False):
-        cfg = GPTConfig(**CFG, gradient_accumulation_fusion=fusion)
+        cfg = GPTConfig(**CFG, **(extra or {}), gradient_accumulation_fusion=fusion)
         torch.manual_seed(1234)
         model = GPT(cfg)
         opt = optim.build_optimizer("dfa", model, lr=1e-3, weight_decay=0.1,
@@ -224,9 +224,13 @@ def _fusion_vs_plain(tp_size: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("size,tp", [(1, 1), (2, 2)])
-def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp):
-    assert all(world(size, _fusion_vs_plain, tp))
+@pytest.mark.parametrize("size,tp,extra", [
+    (1, 1, None), (2, 2, None),
+    (2, 2, {"sequence_parallel": True, "recompute_granularity": "full",
+            "untie_embeddings_and_output_weights": True}),
+], ids=["tp1", "tp2", "tp2-sp-recompute-untied"])
+def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp, extra):
+    assert all(world(size, _fusion_vs_plain, tp, extra))
 
 
 def test_gradient_accumulation_fusion_flag():
