@@ -7,7 +7,9 @@ ran at ~60% of the copy rate there, as fast on an H100 as on an H200).
     python bench/bench_gelu.py --cpu --tokens 64 --features 64 --backend aot_eager  # smoke
 
 Bytes counted once per tensor (bf16): forward reads x and writes y (4 B/element),
-backward reads x and dy and writes dx (6 B/element). Also prints the largest difference
+backward reads x and dy and writes dx (6 B/element). The ``bias+gelu`` rows time the
+backward of ``gelu(x + bias)`` with the bias gradient: inductor's ``dx`` and then its
+column sum, against ``mpzero.tensor_parallel.bias_gelu`` (one kernel for both). Also prints the largest difference
 between the two GELUs on the same input (they are different functions).
 """
 
@@ -56,6 +58,23 @@ def rows(tokens: int, features: int, iters: int, device: str = "cuda",
         ms_b = _time(backward, iters, device)
         out.append((f"gelu {approximate} forward", ms_f, 4 * n / ms_f / 1e9))
         out.append((f"gelu {approximate} backward", ms_b, 6 * n / ms_b / 1e9))
+    # With the MLP's bias: the backward also makes the bias gradient (a column sum of dx).
+    from mpzero.tensor_parallel import bias_gelu
+
+    bias = torch.randn(features, device=device, dtype=torch.bfloat16)
+    for approximate in ("none", "tanh"):
+        cases = (("dx, then the sum", lambda t, b, a=approximate: F.gelu(t + b, approximate=a)),
+                 ("mpzero bias_gelu", lambda t, b, a=approximate: bias_gelu(t, b, a)))
+        for name, f in cases:
+            fn = torch.compile(f, backend=backend)
+            xg, bg = x.detach().requires_grad_(), bias.detach().requires_grad_()
+            y = fn(xg, bg)
+
+            def backward(y=y, xg=xg, bg=bg):
+                return torch.autograd.grad(y, (xg, bg), dy, retain_graph=True)
+
+            ms_b = _time(backward, iters, device)
+            out.append((f"bias+gelu {approximate} bwd, {name}", ms_b, 6 * n / ms_b / 1e9))
     dst = torch.empty_like(x)
     ms_c = _time(lambda: dst.copy_(x), iters, device)
     out.append(("copy of x (forward's bytes)", ms_c, 4 * n / ms_c / 1e9))
@@ -77,11 +96,11 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, [{a.tokens}, {a.features}] bf16, "
           f"median of {a.iters}")
-    print(f"| {'case':<28} | {'ms':>7} | {'TB/s':>6} |")
-    print(f"|{'-' * 30}|{'-' * 9}|{'-' * 8}|")
+    print(f"| {'case':<40} | {'ms':>7} | {'TB/s':>6} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 8}|")
     table, diff = rows(a.tokens, a.features, a.iters, device, a.backend)
     for name, ms, tbs in table:
-        print(f"| {name:<28} | {ms:>7.3f} | {tbs:>6.2f} |")
+        print(f"| {name:<40} | {ms:>7.3f} | {tbs:>6.2f} |")
     print(f"max |gelu(x) - gelu_tanh(x)| over the N(0, 1) input: {diff:.2e}")
 
 

@@ -43,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "grad = (exp(x - lse) - off_target - on_target * onehot(target)) * grad_loss",
         py::arg("logits"), py::arg("target"), py::arg("lse"), py::arg("grad_loss"),
         py::arg("on_target"), py::arg("off_target"), py::arg("grad"));
+  m.def("bias_gelu_backward", &mpzero::bias_gelu_backward,
+        "dx = gelu'(x + bias) * dy and dbias = column sums of dx, in one read of x and dy",
+        py::arg("x"), py::arg("bias"), py::arg("dy"), py::arg("dx"), py::arg("dbias"),
+        py::arg("tanh_approx"));
   m.def("set_launch_config", &mpzero::set_launch_config,
         "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
         py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));

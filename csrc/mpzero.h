@@ -89,6 +89,11 @@ void cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
                             const at::Tensor& lse, const at::Tensor& grad_loss,
                             double on_target, double off_target, at::Tensor grad);
 
+// Backward of gelu(x + bias) over x, dy [R, C] (see bias_gelu.cu): dx = gelu'(x + bias) * dy,
+// dbias = column sums of dx; tanh_approx: GELU's tanh approximation, else the exact erf.
+void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& dy,
+                        at::Tensor dx, at::Tensor dbias, bool tanh_approx);
+
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);
 std::tuple<int64_t, int64_t, int64_t> get_launch_config();

@@ -69,6 +69,9 @@ class GPTConfig:
     # The TP linear layers add their weight gradients into the optimizer's main_grad
     # (mpzero.tensor_parallel.grad_accumulation); not part of the architecture.
     gradient_accumulation_fusion: bool = False
+    # The MLP's bias and GELU as one op whose backward also makes the bias gradient
+    # (mpzero.tensor_parallel.bias_gelu); the same function as the unfused MLP.
+    bias_gelu_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -323,19 +326,25 @@ class MLP(nn.Module):
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
+        # Bias-GELU fusion: fc returns its bias instead of adding it (skip_bias_add).
+        fuse = cfg.bias_gelu_fusion and cfg.linear_bias and not cfg.swiglu
         self.fc = tp.ColumnParallelLinear(cfg.hidden_size, fc_out, bias=cfg.linear_bias,
                                           init_method=tp.init_method_normal(cfg.init_std),
-                                          tp_group=tp_group, **sp)
+                                          tp_group=tp_group, skip_bias_add=fuse, **sp)
         self.proj = tp.RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.linear_bias, input_is_parallel=True,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers),
             tp_group=tp_group, **sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, _ = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
+        y, bias = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
         if self.swiglu:
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
             y = F.silu(gate) * up
+        elif bias is not None and bias.dtype == y.dtype:  # bias_gelu_fusion
+            y = tp.bias_gelu(y, bias, self.gelu_approximate)
+        elif bias is not None:  # autocast: bf16 activations, fp32 bias
+            y = F.gelu(y + bias, approximate=self.gelu_approximate)
         else:
             y = F.gelu(y, approximate=self.gelu_approximate)
         y, _ = self.proj(y)  # (B, T, h)

@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's; the function of Megatron's fused "
                         "bias-GELU) instead of the exact erf GELU: cheaper elementwise kernels")
+    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="the MLP's bias add and GELU as one op whose backward also makes the "
+                        "bias gradient (None: on on GPUs); the same function either way")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")
@@ -308,7 +311,9 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      add_bias_linear=not args.disable_bias_linear,
                      attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=bool(
-                         getattr(args, "gradient_accumulation_fusion", False)))
+                         getattr(args, "gradient_accumulation_fusion", False)),
+                     bias_gelu_fusion=(not args.cpu if args.bias_gelu_fusion is None
+                                       else args.bias_gelu_fusion))
 
 
 def lr_at(iteration: int, args) -> float:

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
-           "fused_cross_entropy_available"]
+           "fused_cross_entropy_available", "bias_gelu_backward"]
 
 Scalar = float | int | torch.Tensor
 
@@ -264,3 +264,28 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     else:
         reference.cross_entropy_backward(logits, target, lse, grad_loss, on_target,
                                          off_target, out)
+
+
+def _bias_gelu_on_cuda(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor) -> bool:
+    """The CUDA bias-GELU kernel takes these: CUDA, one dtype of fp32/fp16/bf16, rows
+    contiguous with a multiple of 8 columns, 16-byte aligned."""
+    if _cuda is None or not (x.is_cuda and _cuda.bias_gelu_available()):
+        return False
+    if x.dtype not in _CE_DTYPES or not (x.dtype == bias.dtype == dy.dtype):
+        return False
+    if x.dim() != 2 or x.shape[1] % 8 or not x.is_contiguous() or not dy.is_contiguous():
+        return False
+    return all(t.data_ptr() % 16 == 0 for t in (x, bias, dy)) and bias.is_contiguous()
+
+
+def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
+                       approximate: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of ``gelu(x + bias, approximate)`` over ``x, dy`` ``[R, C]``, in one read:
+    ``(dx, dbias)`` with ``dx = gelu'(x + bias) * dy`` (fp32 math, rounded once) and
+    ``dbias`` the column sums of the rounded ``dx`` (fp32, in a fixed order)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"bias_gelu_backward: approximate must be 'none' or 'tanh', got "
+                         f"{approximate!r}")
+    if _bias_gelu_on_cuda(x, bias, dy):
+        return _cuda.bias_gelu_backward(x, bias, dy, approximate == "tanh")
+    return reference.bias_gelu_backward(x, bias, dy, approximate)

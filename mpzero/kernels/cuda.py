@@ -26,6 +26,7 @@ __all__ = [
     "split_access",
     "cross_entropy_stats",
     "cross_entropy_backward",
+    "bias_gelu_backward",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -246,6 +247,18 @@ def cross_entropy_backward(logits, target, lse, grad_loss, on_target: float,
                            off_target: float, out: torch.Tensor) -> None:
     _C.cross_entropy_backward(logits, target, lse, grad_loss, float(on_target),
                               float(off_target), out)
+
+
+def bias_gelu_available() -> bool:
+    """The built extension has the bias-GELU backward kernel (an older build may not)."""
+    return hasattr(_C, "bias_gelu_backward")
+
+
+def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
+                       tanh_approx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dbias = torch.empty_like(x), torch.empty_like(bias)
+    _C.bias_gelu_backward(x, bias, dy, dx, dbias, bool(tanh_approx))
+    return dx, dbias
 
 
 def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:

@@ -265,3 +265,13 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
     hit = torch.full_like(lse, -on_target).masked_fill_(~here, 0.0).unsqueeze(-1)
     p.scatter_add_(-1, target.clamp(min=0).unsqueeze(-1), hit)
     out.copy_(p.mul_(g))
+
+
+def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
+                       approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of ``gelu(x + bias)`` over ``x, dy`` ``[R, C]``: ``dx = gelu'(x + bias) *
+    dy`` in fp32, rounded once to ``x``'s dtype, and ``dbias``, the fp32 column sums of
+    that rounded ``dx`` (rounded to ``bias``'s dtype)."""
+    h = x.float() + bias.float()
+    dx = torch.ops.aten.gelu_backward(dy.float(), h, approximate=approximate).to(x.dtype)
+    return dx, dx.float().sum(0).to(bias.dtype)

@@ -13,6 +13,7 @@ marked with :func:`mark_sequence_parallel` and wrapped in
 :func:`checkpoint` is activation recomputation that replays the TP RNG tracker.
 """
 
+from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -50,6 +51,7 @@ __all__ = [
     "init_method_normal",
     "scaled_init_method_normal",
     "vocab_parallel_cross_entropy",
+    "bias_gelu",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",

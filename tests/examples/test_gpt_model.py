@@ -249,3 +249,23 @@ def test_gradient_accumulation_fusion_flag():
     assert resolved(["--gradient-accumulation-fusion"], 1)
     with pytest.raises(SystemExit):
         pretrain_gpt.parse_args(["--gradient-accumulation-fusion", "--optimizer", "adamw"])
+
+
+@pytest.mark.parametrize("openai_gelu", [False, True])
+def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
+    """``bias_gelu_fusion`` (``--bias-gelu-fusion``): the same loss and gradients (fc adds
+    its bias inside the GELU op instead of in its GEMM)."""
+    out = {}
+    for fusion in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG, openai_gelu=openai_gelu, bias_gelu_fusion=fusion))
+        assert model.blocks[0].mlp.fc.skip_bias_add == fusion
+        ids, targets = _batch(model.cfg)
+        with torch.no_grad():  # nonzero biases, so a dropped bias would show
+            model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
+        loss = model(ids, targets)
+        loss.backward()
+        out[fusion] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
