@@ -7,10 +7,11 @@ ran at ~60% of the copy rate there, as fast on an H100 as on an H200).
     python bench/bench_gelu.py --cpu --tokens 64 --features 64 --backend aot_eager  # smoke
 
 Bytes counted once per tensor (bf16): forward reads x and writes y (4 B/element),
-backward reads x and dy and writes dx (6 B/element). The ``bias+gelu`` rows time the
-backward of ``gelu(x + bias)`` with the bias gradient: inductor's ``dx`` and then its
-column sum, against ``mpzero.tensor_parallel.bias_gelu`` (one kernel for both). Also prints the largest difference
-between the two GELUs on the same input (they are different functions).
+backward reads x and dy and writes dx (6 B/element). The ``bias+gelu`` rows time
+the backward of ``gelu(x + bias)`` with the bias gradient: inductor's ``dx`` and
+then its column sum, against ``mpzero.tensor_parallel.bias_gelu`` (one kernel).
+Also prints the largest difference between the two GELUs on the same input (they are
+different functions).
 """
 
 from __future__ import annotations
