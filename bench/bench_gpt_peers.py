@@ -95,8 +95,8 @@ def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
         if getattr(a, flag):
             out.append(f"--{flag.replace('_', '-')}")
     out.append("--overlap-param-sync" if a.overlap_param_sync else "--no-overlap-param-sync")
-    if a.bias_gelu_fusion is not None:
-        out.append("--bias-gelu-fusion" if a.bias_gelu_fusion else "--no-bias-gelu-fusion")
+    if a.bias_gelu_fusion:
+        out.append("--bias-gelu-fusion")
     if a.gradient_accumulation_fusion is not None:
         out.append("--gradient-accumulation-fusion" if a.gradient_accumulation_fusion
                    else "--no-gradient-accumulation-fusion")

@@ -201,8 +201,7 @@ def model_config(a, setup: str = "") -> GPTConfig:
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                      attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
                      gradient_accumulation_fusion=grad_accumulation_fusion(setup, a),
-                     bias_gelu_fusion=(not a.cpu if a.bias_gelu_fusion is None
-                                       else a.bias_gelu_fusion))
+                     bias_gelu_fusion=bool(a.bias_gelu_fusion))
 
 
 def run(setup: str, a) -> dict | None:
@@ -281,9 +280,9 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
                    default=True, help="dfa setups: all-gather parameters in the next forward")
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
-    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="every setup's MLP bias + GELU as one op with the bias gradient in its "
-                        "backward (the example's flag; None: on on GPUs)")
+                        "backward (the example's flag)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=None, help="dfa setups: weight-gradient GEMMs add into the "
                    "optimizer's fp32 buffer (None: when --grad-acc > 1, as the example)")

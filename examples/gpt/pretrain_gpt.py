@@ -84,9 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's; the function of Megatron's fused "
                         "bias-GELU) instead of the exact erf GELU: cheaper elementwise kernels")
-    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="the MLP's bias add and GELU as one op whose backward also makes the "
-                        "bias gradient (None: on on GPUs); the same function either way")
+                        "bias gradient; the same function either way")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")
@@ -312,8 +312,7 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=bool(
                          getattr(args, "gradient_accumulation_fusion", False)),
-                     bias_gelu_fusion=(not args.cpu if args.bias_gelu_fusion is None
-                                       else args.bias_gelu_fusion))
+                     bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)))
 
 
 def lr_at(iteration: int, args) -> float:
