@@ -64,6 +64,25 @@ def _nvidia_wheel_dirs() -> tuple[list[str], list[str]]:
     return inc, lib
 
 
+def _cublaslt_link_args(lib_dirs: list[str]) -> list[str]:
+    """Link arguments for cuBLASLt (csrc/gemm_gelu.cpp): ``-lcublasLt`` where an
+    unversioned ``libcublasLt.so`` is found, else the versioned library by path (pip's
+    nvidia-cublas wheel ships only ``libcublasLt.so.<major>``; its soname is what torch
+    itself loads, so the extension shares torch's copy at run time)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    dirs = [*lib_dirs, *(os.path.join(CUDA_HOME, d) for d in ("lib64", "lib") if CUDA_HOME)]
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "libcublasLt.so")):
+            return [f"-L{d}", "-lcublasLt"]
+    for d in dirs:
+        found = sorted(glob.glob(os.path.join(d, "libcublasLt.so.*")), key=len)
+        if found:
+            return [found[0]]
+    raise SystemExit("mpzero._C needs cuBLASLt: no libcublasLt.so found in "
+                     + ", ".join(dirs))
+
+
 def _extensions():
     build, why = _cuda_wanted()
     if not build:
@@ -90,7 +109,8 @@ def _extensions():
             "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
                      *os.environ.get("MPZERO_NVCC_FLAGS", "").split()],
         },
-        extra_link_args=["-ldl"],  # nccl_allocator.cpp: dlopen/dlsym (libc itself on glibc>=2.34)
+        # nccl_allocator.cpp: dlopen/dlsym (libc itself on glibc>=2.34); gemm_gelu.cpp: cuBLASLt
+        extra_link_args=["-ldl", *_cublaslt_link_args(lib)],
     )
 
     class TimedBuild(BuildExtension):

@@ -97,9 +97,11 @@ def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
     out.append("--overlap-param-sync" if a.overlap_param_sync else "--no-overlap-param-sync")
     if a.bias_gelu_fusion:
         out.append("--bias-gelu-fusion")
-    if a.gradient_accumulation_fusion is not None:
-        out.append("--gradient-accumulation-fusion" if a.gradient_accumulation_fusion
-                   else "--no-gradient-accumulation-fusion")
+    for flag in ("gradient_accumulation_fusion", "gelu_gemm_fusion", "gelu_gemm_keep_output"):
+        value = getattr(a, flag)
+        if value is not None:
+            name = flag.replace("_", "-")
+            out.append(f"--{name}" if value else f"--no-{name}")
     return out
 
 

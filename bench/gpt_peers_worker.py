@@ -201,7 +201,21 @@ def model_config(a, setup: str = "") -> GPTConfig:
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                      attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
                      gradient_accumulation_fusion=grad_accumulation_fusion(setup, a),
-                     bias_gelu_fusion=bool(a.bias_gelu_fusion))
+                     bias_gelu_fusion=bool(a.bias_gelu_fusion),
+                     gelu_gemm_fusion=gelu_gemm_fusion(a),
+                     gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output))
+
+
+def gelu_gemm_fusion(a) -> bool:
+    """Every setup's MLP with the GELU in its GEMMs (it applies where the parameters
+    are one dtype with the activations: the bf16-parameter setups and FSDP2; under
+    autocast the MLP stays unfused): as the flag says, or (None) as the example decides,
+    with --openai-gelu on a GPU with the CUDA extension."""
+    if a.gelu_gemm_fusion is not None:
+        return bool(a.gelu_gemm_fusion)
+    from mpzero import kernels
+
+    return a.openai_gelu and not a.cpu and kernels.gemm_gelu_available()
 
 
 def run(setup: str, a) -> dict | None:
@@ -245,7 +259,8 @@ def run(setup: str, a) -> dict | None:
             "attention_backend": a.attention_backend, "openai_gelu": a.openai_gelu,
             "grad_acc": a.grad_acc,
             "gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
-            "bias_gelu_fusion": cfg.bias_gelu_fusion,
+            "bias_gelu_fusion": cfg.bias_gelu_fusion, "gelu_gemm_fusion": cfg.gelu_gemm_fusion,
+            "gelu_gemm_keep_output": cfg.gelu_gemm_keep_output,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
@@ -283,6 +298,12 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="every setup's MLP bias + GELU as one op with the bias gradient in its "
                         "backward (the example's flag)")
+    g.add_argument("--gelu-gemm-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="every setup's MLP with bias and GELU in its GEMMs where its dtypes "
+                        "allow (None: with --openai-gelu on a GPU with the extension)")
+    g.add_argument("--gelu-gemm-keep-output", action=argparse.BooleanOptionalAction,
+                   default=True, help="with --gelu-gemm-fusion: save the GELU output for the "
+                   "backward (else made again there)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=None, help="dfa setups: weight-gradient GEMMs add into the "
                    "optimizer's fp32 buffer (None: when --grad-acc > 1, as the example)")

@@ -94,6 +94,17 @@ void cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
 void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& dy,
                         at::Tensor dx, at::Tensor dbias, bool tanh_approx);
 
+// GELU (tanh approximation) in cuBLASLt's GEMM epilogue (see gemm_gelu.cpp), row-major:
+// x [M, K], weight [N, K], bias [N] -> (y = gelu(z), z = x weight^T + bias), both [M, N].
+std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias);
+// grad_out [M, H], weight [H, F], z [M, F] -> (dz = (grad_out weight) * gelu'(z), the column
+// sums of dz when bias_grad).
+std::tuple<at::Tensor, std::optional<at::Tensor>> gemm_dgelu_bgrad(const at::Tensor& grad_out,
+                                                                   const at::Tensor& weight,
+                                                                   const at::Tensor& z,
+                                                                   bool bias_grad);
+
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);
 std::tuple<int64_t, int64_t, int64_t> get_launch_config();

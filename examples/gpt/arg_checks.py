@@ -48,6 +48,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.gradient_accumulation_fusion and args.optimizer != "dfa":
         p.error(f"--gradient-accumulation-fusion needs --optimizer dfa, got --optimizer "
                 f"{args.optimizer}")
+    if args.gelu_gemm_fusion and (not args.openai_gelu or args.swiglu):
+        p.error("--gelu-gemm-fusion fuses GELU's tanh approximation: it needs --openai-gelu "
+                "and no --swiglu")
     if args.store_param_remainders and args.param_sync_dtype == "fp32":
         p.error("--store-param-remainders needs bf16 parameter gathers, got "
                 "--param-sync-dtype fp32")
@@ -70,6 +73,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.gradient_accumulation_fusion and args.autocast_bf16:
         warn("--gradient-accumulation-fusion has no effect under --autocast-bf16 (the "
              "layers fall back to plain weight gradients)")
+    if args.gelu_gemm_fusion and args.autocast_bf16:
+        warn("--gelu-gemm-fusion has no effect under --autocast-bf16 (the fused MLP takes "
+             "one dtype; autocast mixes fp32 weights with bf16 activations)")
     if args.compile_mode is not None and not args.compile:
         warn(f"--compile-mode {args.compile_mode} has no effect without --compile")
     if args.param_sync_dtype is not None and args.optimizer != "dfa":
@@ -88,3 +94,18 @@ def grad_accumulation_fusion(args: argparse.Namespace, grad_acc: int) -> bool:
     if args.gradient_accumulation_fusion is not None:
         return bool(args.gradient_accumulation_fusion)
     return args.optimizer == "dfa" and grad_acc > 1 and not args.autocast_bf16
+
+
+def gelu_gemm_fusion(args: argparse.Namespace) -> bool:
+    """``--gelu-gemm-fusion`` resolved: as given, or (None) on where it pays: tanh GELU
+    (``--openai-gelu``, no ``--swiglu``), bf16 parameters (``--bf16``) on a GPU, and the
+    CUDA extension built with the cuBLASLt GEMMs (elsewhere its PyTorch reference runs,
+    which is slower than the unfused MLP)."""
+    flag = getattr(args, "gelu_gemm_fusion", None)
+    if flag is not None:
+        return bool(flag)
+    from mpzero import kernels
+
+    return (bool(getattr(args, "openai_gelu", False)) and not getattr(args, "swiglu", False)
+            and bool(getattr(args, "bf16", False)) and not getattr(args, "cpu", False)
+            and kernels.gemm_gelu_available())

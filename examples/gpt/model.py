@@ -72,6 +72,12 @@ class GPTConfig:
     # The MLP's bias and GELU as one op whose backward also makes the bias gradient
     # (mpzero.tensor_parallel.bias_gelu); the same function as the unfused MLP.
     bias_gelu_fusion: bool = False
+    # The MLP's bias and GELU (tanh, so openai_gelu) inside its GEMMs' epilogues
+    # (mpzero.tensor_parallel.gelu_mlp; where x and the weights share a dtype, i.e. not
+    # under autocast); the same function. keep_gelu_output: save gelu(z) for the backward
+    # (else it is made again there, one [tokens, ffn] activation less per layer).
+    gelu_gemm_fusion: bool = False
+    gelu_gemm_keep_output: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -91,6 +97,9 @@ class GPTConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.gelu_gemm_fusion and (self.swiglu or not self.openai_gelu):
+            raise ValueError("gelu_gemm_fusion fuses GELU's tanh approximation: it needs "
+                             "openai_gelu=True and swiglu=False")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
 
@@ -325,6 +334,8 @@ class MLP(nn.Module):
                   gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
+        self.gelu_gemm_fusion, self.keep_gelu_output = (cfg.gelu_gemm_fusion,
+                                                        cfg.gelu_gemm_keep_output)
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
         # Bias-GELU fusion: fc returns its bias instead of adding it (skip_bias_add).
         fuse = cfg.bias_gelu_fusion and cfg.linear_bias and not cfg.swiglu
@@ -336,7 +347,16 @@ class MLP(nn.Module):
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers),
             tp_group=tp_group, **sp)
 
+    def _gemm_fusion_applies(self, x: torch.Tensor) -> bool:
+        """The GELU-in-GEMM path takes one dtype throughout (not autocast's mix)."""
+        return (self.gelu_gemm_fusion and x.dtype == self.fc.weight.dtype == self.proj.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gemm_fusion_applies(x):
+            y, _ = tp.parallel_gelu_mlp(x, self.fc, self.proj,
+                                        keep_gelu_output=self.keep_gelu_output)
+            return y
         y, bias = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
         if self.swiglu:
             gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)

@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=False,
                    help="the MLP's bias add and GELU as one op whose backward also makes the "
                         "bias gradient; the same function either way")
+    g.add_argument("--gelu-gemm-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="the MLP's bias and GELU inside its GEMMs (cuBLASLt epilogues, tanh "
+                        "GELU: needs --openai-gelu); the same function. None: on with "
+                        "--openai-gelu, --bf16 and the CUDA extension")
+    g.add_argument("--gelu-gemm-keep-output", action=argparse.BooleanOptionalAction,
+                   default=True, help="with --gelu-gemm-fusion: save the GELU's output for "
+                   "the backward (else made again there: less memory, a bit slower)")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")
@@ -312,7 +319,9 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      attention_backend=args.attention_backend,
                      gradient_accumulation_fusion=bool(
                          getattr(args, "gradient_accumulation_fusion", False)),
-                     bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)))
+                     bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)),
+                     gelu_gemm_fusion=arg_checks.gelu_gemm_fusion(args),
+                     gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)))
 
 
 def lr_at(iteration: int, args) -> float:

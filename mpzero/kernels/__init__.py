@@ -38,7 +38,8 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
-           "fused_cross_entropy_available", "bias_gelu_backward"]
+           "fused_cross_entropy_available", "bias_gelu_backward", "gemm_gelu_available",
+           "gemm_bias_gelu", "gemm_dgelu_bgrad"]
 
 Scalar = float | int | torch.Tensor
 
@@ -289,3 +290,55 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
     if _bias_gelu_on_cuda(x, bias, dy):
         return _cuda.bias_gelu_backward(x, bias, dy, approximate == "tanh")
     return reference.bias_gelu_backward(x, bias, dy, approximate)
+
+
+_GEMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gemm_gelu_available(*tensors: torch.Tensor) -> bool:
+    """The cuBLASLt GELU-epilogue GEMMs take these tensors: the extension built with them,
+    all CUDA tensors of one dtype, fp16 or bf16, contiguous, 16-byte aligned, and every
+    last dimension a multiple of 8. Without tensors: whether the extension has them."""
+    if _cuda is None or not _cuda.gemm_gelu_available():
+        return False
+    if not tensors:
+        return True
+    dtype = tensors[0].dtype
+    return dtype in _GEMM_DTYPES and all(
+        t.is_cuda and t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 16 == 0
+        and all(s % 8 == 0 for s in t.shape[-1:]) for t in tensors)
+
+
+def gemm_bias_gelu(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, z)`` with ``z = x @ weight.T + bias`` and ``y = gelu(z)`` (tanh approximation)
+    for ``x [M, K]``, ``weight [N, K]``, ``bias [N]``: on CUDA one cuBLASLt GEMM whose
+    epilogue adds the bias, writes ``z`` and applies the GELU (fp32 accumulation, ``y``
+    from the fp32 ``z``); else :func:`mpzero.kernels.reference.gemm_bias_gelu`."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemm_bias_gelu: x [M, K] and weight [N, K] expected, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"gemm_bias_gelu: bias must have {weight.shape[0]} elements, got "
+                         f"{tuple(bias.shape)}")
+    if weight.shape[0] % 8 == 0 and gemm_gelu_available(
+            x, weight, *((bias,) if bias is not None else ())):
+        return _cuda.gemm_bias_gelu(x, weight, bias)
+    return reference.gemm_bias_gelu(x, weight, bias)
+
+
+def gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+                     bias_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dz, dbias)`` with ``dz = (grad_out @ weight) * gelu'(z)`` (tanh approximation)
+    for ``grad_out [M, H]``, ``weight [H, F]``, ``z [M, F]``, and ``dbias`` the column sums
+    of ``dz`` (None unless ``bias_grad``): on CUDA one cuBLASLt GEMM whose epilogue reads
+    ``z``; else :func:`mpzero.kernels.reference.gemm_dgelu_bgrad`."""
+    if (grad_out.dim() != 2 or weight.dim() != 2 or z.dim() != 2
+            or weight.shape[0] != grad_out.shape[1] or z.shape != (grad_out.shape[0],
+                                                                  weight.shape[1])):
+        raise ValueError(f"gemm_dgelu_bgrad: grad_out [M, H], weight [H, F] and z [M, F] "
+                         f"expected, got {tuple(grad_out.shape)}, {tuple(weight.shape)} and "
+                         f"{tuple(z.shape)}")
+    if gemm_gelu_available(grad_out, weight, z):
+        return _cuda.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)
+    return reference.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)

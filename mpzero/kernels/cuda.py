@@ -27,6 +27,9 @@ __all__ = [
     "cross_entropy_stats",
     "cross_entropy_backward",
     "bias_gelu_backward",
+    "gemm_gelu_available",
+    "gemm_bias_gelu",
+    "gemm_dgelu_bgrad",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -292,3 +295,16 @@ def set_split_access(on: bool) -> None:
 
 def split_access() -> bool:
     return bool(_C.split_access())
+
+
+def gemm_gelu_available() -> bool:
+    """The built extension has the cuBLASLt GELU-epilogue GEMMs (an older build may not)."""
+    return hasattr(_C, "gemm_bias_gelu")
+
+
+def gemm_bias_gelu(x, weight, bias):
+    return _C.gemm_bias_gelu(x, weight, bias)
+
+
+def gemm_dgelu_bgrad(grad_out, weight, z, bias_grad: bool):
+    return _C.gemm_dgelu_bgrad(grad_out, weight, z, bool(bias_grad))

@@ -17,7 +17,8 @@ import torch
 
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
-__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy"]
+__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu",
+           "gemm_dgelu_bgrad"]
 
 Scalar = float | int | torch.Tensor
 
@@ -275,3 +276,28 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
     h = x.float() + bias.float()
     dx = torch.ops.aten.gelu_backward(dy.float(), h, approximate=approximate).to(x.dtype)
     return dx, dx.float().sum(0).to(bias.dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or wider where it already is (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def gemm_bias_gelu(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gelu_tanh(z), z)`` with ``z = x weight^T + bias`` (``x [M, K]``, ``weight
+    [N, K]``): ``z`` rounded to ``x``'s dtype as a GEMM writes it, the GELU of that ``z``
+    in fp32 (or wider), rounded once."""
+    z = torch.addmm(bias, x, weight.t()) if bias is not None else x.mm(weight.t())
+    return torch.nn.functional.gelu(_wide(z), approximate="tanh").to(z.dtype), z
+
+
+def gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
+                     bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dz, dbias)``: ``dz = (grad_out weight) * gelu_tanh'(z)`` (``grad_out [M, H]``,
+    ``weight [H, F]``, ``z [M, F]``; the product kept in fp32 or wider until ``dz`` is
+    rounded), ``dbias`` the column sums of ``dz`` in that precision, rounded to its dtype
+    (None unless ``bias_grad``)."""
+    dy = _wide(grad_out).mm(_wide(weight))
+    dz = torch.ops.aten.gelu_backward(dy, _wide(z), approximate="tanh").to(z.dtype)
+    return dz, (_wide(dz).sum(0).to(z.dtype) if bias_grad else None)

@@ -15,6 +15,7 @@ marked with :func:`mark_sequence_parallel` and wrapped in
 
 from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from mpzero.tensor_parallel.gelu_mlp import gelu_mlp, parallel_gelu_mlp
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -52,6 +53,8 @@ __all__ = [
     "scaled_init_method_normal",
     "vocab_parallel_cross_entropy",
     "bias_gelu",
+    "gelu_mlp",
+    "parallel_gelu_mlp",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",

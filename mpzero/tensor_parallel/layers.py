@@ -167,11 +167,15 @@ class ColumnParallelLinear(_TensorParallelModule):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def parallel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the matmul takes it: ``x`` itself (its gradient all-reduced over
+        TP), or with ``sequence_parallel`` the all-gathered sequence."""
         if self.sequence_parallel:  # (.., s/tp, ..) -> (.., s, ..)
-            x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.tp_group)
-        else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            return gather_from_sequence_parallel_region(x, self.sequence_dim, self.tp_group)
+        return copy_to_tensor_model_parallel_region(x, self.tp_group)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = self.parallel_input(x)
         bias = None if self.skip_bias_add else self.bias
         out = self._linear(x, bias)  # (..., out/tp)
         if self.gather_output:
@@ -239,7 +243,12 @@ class RowParallelLinear(_TensorParallelModule):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)  # (..., in/tp)
-        partial = self._linear(x, None)  # (..., out), this rank's share of the sum
+        return self.reduce_output(self._linear(x, None))
+
+    def reduce_output(self, partial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(output, bias)`` from this rank's share ``partial`` of ``X A^T`` (``[..., out]``):
+        the sum over TP (a reduce-scatter with ``sequence_parallel``), then the bias as
+        :meth:`forward` applies it."""
         bias = self.bias
         if self.sequence_parallel:  # (.., s, ..) -> (.., s/tp, ..)
             out = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,

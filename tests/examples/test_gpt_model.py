@@ -269,3 +269,35 @@ def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_gelu_gemm_fusion_is_the_same_model(keep):
+    """``gelu_gemm_fusion`` (``--gelu-gemm-fusion``): the MLP as one fused function
+    (GELU in the GEMMs' epilogues; the PyTorch reference of those GEMMs on the CPU) gives
+    the unfused model's loss and gradients; under autocast it stays unfused."""
+    out = {}
+    for fusion in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG, openai_gelu=True, gelu_gemm_fusion=fusion,
+                              gelu_gemm_keep_output=keep))
+        ids, targets = _batch(model.cfg)
+        with torch.no_grad():  # nonzero biases, so a dropped bias would show
+            model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 3, CFG["hidden_size"])
+        assert model.blocks[0].mlp._gemm_fusion_applies(x) == fusion
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not model.blocks[0].mlp._gemm_fusion_applies(x)
+        loss = model(ids, targets)
+        loss.backward()
+        out[fusion] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gelu_gemm_fusion_needs_tanh_gelu():
+    with pytest.raises(ValueError, match="openai_gelu"):
+        GPTConfig(**CFG, gelu_gemm_fusion=True)
+    with pytest.raises(ValueError, match="swiglu"):
+        GPTConfig(**CFG, openai_gelu=True, swiglu=True, gelu_gemm_fusion=True)
