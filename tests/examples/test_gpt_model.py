@@ -301,3 +301,28 @@ def test_gelu_gemm_fusion_needs_tanh_gelu():
         GPTConfig(**CFG, gelu_gemm_fusion=True)
     with pytest.raises(ValueError, match="swiglu"):
         GPTConfig(**CFG, openai_gelu=True, swiglu=True, gelu_gemm_fusion=True)
+
+
+def test_gelu_gemm_fusion_flag(monkeypatch):
+    """``--gelu-gemm-fusion``: as given, or (default) on with --openai-gelu --bf16 on a GPU
+    with the extension's GEMMs; without --openai-gelu (or with --swiglu) it is refused."""
+    import arg_checks
+    import pretrain_gpt
+
+    from mpzero import kernels
+
+    def resolved(flags):
+        return arg_checks.gelu_gemm_fusion(pretrain_gpt.parse_args(flags))
+
+    monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: True)
+    assert resolved(["--openai-gelu", "--bf16"])
+    assert not resolved(["--openai-gelu"])  # fp32 parameters
+    assert not resolved(["--bf16"])  # exact GELU
+    assert not resolved(["--openai-gelu", "--bf16", "--cpu"])
+    assert not resolved(["--openai-gelu", "--bf16", "--no-gelu-gemm-fusion"])
+    assert resolved(["--openai-gelu", "--gelu-gemm-fusion", "--cpu"])
+    monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: False)
+    assert not resolved(["--openai-gelu", "--bf16"])
+    for flags in (["--gelu-gemm-fusion"], ["--gelu-gemm-fusion", "--openai-gelu", "--swiglu"]):
+        with pytest.raises(SystemExit):
+            pretrain_gpt.parse_args(flags)
