@@ -38,6 +38,15 @@ def _time(fn, iters: int, device: str) -> float:
     return statistics.median(timer(fn)[0] for _ in range(iters)) * 1e3
 
 
+def device_and_name(cpu: bool) -> tuple[str, str]:
+    """``("cpu", "cpu")`` with ``--cpu``, else ``("cuda", the GPU's name)`` (exit if none)."""
+    if cpu:
+        return "cpu", "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --cpu)")
+    return "cuda", torch.cuda.get_device_name()
+
+
 def rows(tokens: int, features: int, iters: int, device: str = "cuda",
          backend: str = "inductor") -> tuple[list[tuple[str, float, float]], float]:
     """(name, ms, TB/s at the counted bytes) per case, and the largest difference between
@@ -91,10 +100,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     a = ap.parse_args()
-    device = "cpu" if a.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device (or --cpu)")
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    device, name = device_and_name(a.cpu)
     print(f"{name}, torch {torch.__version__}, [{a.tokens}, {a.features}] bf16, "
           f"median of {a.iters}")
     print(f"| {'case':<40} | {'ms':>7} | {'TB/s':>6} |")

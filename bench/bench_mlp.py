@@ -18,25 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import types
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_step  # noqa: E402
+import bench_gelu  # noqa: E402
+from bench_gelu import _time  # noqa: E402
 
 from mpzero import kernels  # noqa: E402
 from mpzero.tensor_parallel import gelu_mlp  # noqa: E402
-
-
-def _time(fn, iters: int, device: str) -> float:
-    for _ in range(3):
-        fn()
-    timer = bench_step._Timer(types.SimpleNamespace(device=torch.device(device)))
-    return statistics.median(timer(fn)[0] for _ in range(iters)) * 1e3
 
 
 def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
@@ -106,10 +98,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
     a = ap.parse_args()
-    device = "cpu" if a.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device (or --cpu)")
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    device, name = bench_gelu.device_and_name(a.cpu)
     print(f"{name}, torch {torch.__version__}, tokens {a.tokens}, hidden {a.hidden}, "
           f"ffn {a.ffn}, bf16, median of {a.iters}; cuBLASLt epilogues: "
           f"{kernels.gemm_gelu_available()}")

@@ -251,15 +251,17 @@ def test_gradient_accumulation_fusion_flag():
         pretrain_gpt.parse_args(["--gradient-accumulation-fusion", "--optimizer", "adamw"])
 
 
-@pytest.mark.parametrize("openai_gelu", [False, True])
-def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
-    """``bias_gelu_fusion`` (``--bias-gelu-fusion``): the same loss and gradients (fc adds
-    its bias inside the GELU op instead of in its GEMM)."""
+def _same_model_either_way(check=None, **cfg):
+    """Loss and every gradient of ``GPT(GPTConfig(**CFG, **cfg, <option>=False))`` and of
+    the same with ``True`` (the ``option`` key of ``cfg`` names it) are equal; ``check``
+    (model, fusion) asserts what the option changed."""
+    option = cfg.pop("option")
     out = {}
     for fusion in (False, True):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**CFG, openai_gelu=openai_gelu, bias_gelu_fusion=fusion))
-        assert model.blocks[0].mlp.fc.skip_bias_add == fusion
+        model = GPT(GPTConfig(**CFG, **cfg, **{option: fusion}))
+        if check is not None:
+            check(model, fusion)
         ids, targets = _batch(model.cfg)
         with torch.no_grad():  # nonzero biases, so a dropped bias would show
             model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
@@ -269,6 +271,16 @@ def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("openai_gelu", [False, True])
+def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
+    """``bias_gelu_fusion`` (``--bias-gelu-fusion``): the same loss and gradients (fc adds
+    its bias inside the GELU op instead of in its GEMM)."""
+    def check(model, fusion):
+        assert model.blocks[0].mlp.fc.skip_bias_add == fusion
+
+    _same_model_either_way(check, option="bias_gelu_fusion", openai_gelu=openai_gelu)
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -276,24 +288,14 @@ def test_gelu_gemm_fusion_is_the_same_model(keep):
     """``gelu_gemm_fusion`` (``--gelu-gemm-fusion``): the MLP as one fused function
     (GELU in the GEMMs' epilogues; the PyTorch reference of those GEMMs on the CPU) gives
     the unfused model's loss and gradients; under autocast it stays unfused."""
-    out = {}
-    for fusion in (False, True):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**CFG, openai_gelu=True, gelu_gemm_fusion=fusion,
-                              gelu_gemm_keep_output=keep))
-        ids, targets = _batch(model.cfg)
-        with torch.no_grad():  # nonzero biases, so a dropped bias would show
-            model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
+    def check(model, fusion):
         x = torch.randn(2, 3, CFG["hidden_size"])
         assert model.blocks[0].mlp._gemm_fusion_applies(x) == fusion
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not model.blocks[0].mlp._gemm_fusion_applies(x)
-        loss = model(ids, targets)
-        loss.backward()
-        out[fusion] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
-    for name, g in out[False][1].items():
-        torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+    _same_model_either_way(check, option="gelu_gemm_fusion", openai_gelu=True,
+                           gelu_gemm_keep_output=keep)
 
 
 def test_gelu_gemm_fusion_needs_tanh_gelu():
@@ -306,10 +308,10 @@ def test_gelu_gemm_fusion_needs_tanh_gelu():
 def test_gelu_gemm_fusion_flag(monkeypatch):
     """``--gelu-gemm-fusion``: as given, or (default) on with --openai-gelu --bf16 on a GPU
     with the extension's GEMMs; without --openai-gelu (or with --swiglu) it is refused."""
+    from mpzero import kernels
+
     import arg_checks
     import pretrain_gpt
-
-    from mpzero import kernels
 
     def resolved(flags):
         return arg_checks.gelu_gemm_fusion(pretrain_gpt.parse_args(flags))
