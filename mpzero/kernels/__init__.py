@@ -323,7 +323,9 @@ def gemm_bias_gelu(x: torch.Tensor, weight: torch.Tensor,
                          f"{tuple(bias.shape)}")
     if weight.shape[0] % 8 == 0 and gemm_gelu_available(
             x, weight, *((bias,) if bias is not None else ())):
-        return _cuda.gemm_bias_gelu(x, weight, bias)
+        out = _lt_call("gemm_bias_gelu", _cuda.gemm_bias_gelu, x, weight, bias)
+        if out is not None:
+            return out
     return reference.gemm_bias_gelu(x, weight, bias)
 
 
@@ -340,5 +342,36 @@ def gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tens
                          f"expected, got {tuple(grad_out.shape)}, {tuple(weight.shape)} and "
                          f"{tuple(z.shape)}")
     if gemm_gelu_available(grad_out, weight, z):
-        return _cuda.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)
+        if bias_grad:
+            out = _lt_call("gemm_dgelu_bgrad", _cuda.gemm_dgelu_bgrad, grad_out, weight, z, True)
+            if out is not None:
+                return out
+        dz = _lt_call("gemm_dgelu", _cuda.gemm_dgelu_bgrad, grad_out, weight, z, False)
+        if dz is not None:  # the GELU gradient in the epilogue, the bias gradient apart
+            return dz[0], (dz[0].float().sum(0).to(dz[0].dtype) if bias_grad else None)
     return reference.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)
+
+
+_LT_UNSUPPORTED: dict[tuple, str] = {}  # (op, shapes, dtype) cuBLASLt found no algorithm for
+
+
+def _lt_call(op: str, fn, *args):
+    """``fn(*args)``, or None where cuBLASLt has no algorithm for this epilogue and these
+    shapes (remembered, with one warning: the caller then takes a slower path)."""
+    key = (op, torch.cuda.current_device(), args[0].dtype,
+           *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+    if key in _LT_UNSUPPORTED:
+        return None
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        if "has no algorithm" not in str(e):
+            raise
+        import warnings
+
+        from mpzero.warn import user_stacklevel
+
+        _LT_UNSUPPORTED[key] = str(e)
+        warnings.warn(f"mpzero: {e}; using the unfused path for these shapes",
+                      stacklevel=user_stacklevel())
+        return None
