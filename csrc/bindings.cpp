@@ -50,10 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bias_gelu", &mpzero::gemm_bias_gelu,
         "cuBLASLt GEMM with bias + GELU (tanh) epilogue: (gelu(x w^T + b), x w^T + b)",
         py::arg("x"), py::arg("weight"), py::arg("bias"));
-  m.def("gemm_dgelu_bgrad", &mpzero::gemm_dgelu_bgrad,
-        "cuBLASLt GEMM with GELU-gradient (+ bias-gradient) epilogue: "
-        "((grad_out weight) * gelu'(z), column sums)",
-        py::arg("grad_out"), py::arg("weight"), py::arg("z"), py::arg("bias_grad"));
+  m.def("gemm_dgelu", &mpzero::gemm_dgelu,
+        "cuBLASLt GEMM with GELU-gradient (tanh) epilogue: (grad_out weight) * gelu'(z)",
+        py::arg("grad_out"), py::arg("weight"), py::arg("z"));
   m.def("set_launch_config", &mpzero::set_launch_config,
         "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
         py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));

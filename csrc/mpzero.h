@@ -98,12 +98,8 @@ void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::T
 // x [M, K], weight [N, K], bias [N] -> (y = gelu(z), z = x weight^T + bias), both [M, N].
 std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias);
-// grad_out [M, H], weight [H, F], z [M, F] -> (dz = (grad_out weight) * gelu'(z), the column
-// sums of dz when bias_grad).
-std::tuple<at::Tensor, std::optional<at::Tensor>> gemm_dgelu_bgrad(const at::Tensor& grad_out,
-                                                                   const at::Tensor& weight,
-                                                                   const at::Tensor& z,
-                                                                   bool bias_grad);
+// grad_out [M, H], weight [H, F], z [M, F] -> dz = (grad_out weight) * gelu'(z), [M, F].
+at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& z);
 
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
            "fused_cross_entropy_available", "bias_gelu_backward", "gemm_gelu_available",
-           "gemm_bias_gelu", "gemm_dgelu_bgrad"]
+           "gemm_bias_gelu", "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
 
@@ -329,27 +329,21 @@ def gemm_bias_gelu(x: torch.Tensor, weight: torch.Tensor,
     return reference.gemm_bias_gelu(x, weight, bias)
 
 
-def gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
-                     bias_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dz, dbias)`` with ``dz = (grad_out @ weight) * gelu'(z)`` (tanh approximation)
-    for ``grad_out [M, H]``, ``weight [H, F]``, ``z [M, F]``, and ``dbias`` the column sums
-    of ``dz`` (None unless ``bias_grad``): on CUDA one cuBLASLt GEMM whose epilogue reads
-    ``z``; else :func:`mpzero.kernels.reference.gemm_dgelu_bgrad`."""
+def gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``dz = (grad_out @ weight) * gelu'(z)`` (tanh approximation) for ``grad_out [M, H]``,
+    ``weight [H, F]``, ``z [M, F]``: on CUDA one cuBLASLt GEMM whose epilogue reads ``z``
+    (fp32 accumulation, one rounding); else :func:`mpzero.kernels.reference.gemm_dgelu`."""
     if (grad_out.dim() != 2 or weight.dim() != 2 or z.dim() != 2
             or weight.shape[0] != grad_out.shape[1] or z.shape != (grad_out.shape[0],
                                                                   weight.shape[1])):
-        raise ValueError(f"gemm_dgelu_bgrad: grad_out [M, H], weight [H, F] and z [M, F] "
+        raise ValueError(f"gemm_dgelu: grad_out [M, H], weight [H, F] and z [M, F] "
                          f"expected, got {tuple(grad_out.shape)}, {tuple(weight.shape)} and "
                          f"{tuple(z.shape)}")
     if gemm_gelu_available(grad_out, weight, z):
-        if bias_grad:
-            out = _lt_call("gemm_dgelu_bgrad", _cuda.gemm_dgelu_bgrad, grad_out, weight, z, True)
-            if out is not None:
-                return out
-        dz = _lt_call("gemm_dgelu", _cuda.gemm_dgelu_bgrad, grad_out, weight, z, False)
-        if dz is not None:  # the GELU gradient in the epilogue, the bias gradient apart
-            return dz[0], (dz[0].float().sum(0).to(dz[0].dtype) if bias_grad else None)
-    return reference.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)
+        dz = _lt_call("gemm_dgelu", _cuda.gemm_dgelu, grad_out, weight, z)
+        if dz is not None:
+            return dz
+    return reference.gemm_dgelu(grad_out, weight, z)
 
 
 _LT_UNSUPPORTED: dict[tuple, str] = {}  # (op, shapes, dtype) cuBLASLt found no algorithm for

@@ -29,7 +29,7 @@ __all__ = [
     "bias_gelu_backward",
     "gemm_gelu_available",
     "gemm_bias_gelu",
-    "gemm_dgelu_bgrad",
+    "gemm_dgelu",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -306,5 +306,5 @@ def gemm_bias_gelu(x, weight, bias):
     return _C.gemm_bias_gelu(x, weight, bias)
 
 
-def gemm_dgelu_bgrad(grad_out, weight, z, bias_grad: bool):
-    return _C.gemm_dgelu_bgrad(grad_out, weight, z, bool(bias_grad))
+def gemm_dgelu(grad_out, weight, z):
+    return _C.gemm_dgelu(grad_out, weight, z)

@@ -18,7 +18,7 @@ import torch
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
 __all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu",
-           "gemm_dgelu_bgrad"]
+           "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
 
@@ -292,12 +292,8 @@ def gemm_bias_gelu(x: torch.Tensor, weight: torch.Tensor,
     return torch.nn.functional.gelu(_wide(z), approximate="tanh").to(z.dtype), z
 
 
-def gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
-                     bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dz, dbias)``: ``dz = (grad_out weight) * gelu_tanh'(z)`` (``grad_out [M, H]``,
-    ``weight [H, F]``, ``z [M, F]``; the product kept in fp32 or wider until ``dz`` is
-    rounded), ``dbias`` the column sums of ``dz`` in that precision, rounded to its dtype
-    (None unless ``bias_grad``)."""
+def gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``dz = (grad_out weight) * gelu_tanh'(z)`` (``grad_out [M, H]``, ``weight [H, F]``,
+    ``z [M, F]``), the product kept in fp32 (or wider) until ``dz`` is rounded."""
     dy = _wide(grad_out).mm(_wide(weight))
-    dz = torch.ops.aten.gelu_backward(dy, _wide(z), approximate="tanh").to(z.dtype)
-    return dz, (_wide(dz).sum(0).to(z.dtype) if bias_grad else None)
+    return torch.ops.aten.gelu_backward(dy, _wide(z), approximate="tanh").to(z.dtype)

@@ -7,17 +7,18 @@ way instead of GEMMs with elementwise passes between them:
   accumulators (cuBLASLt's ``GELU_AUX_BIAS`` epilogue), then ``out = y W2^T``. No
   separate pass reads ``z`` to make ``y``.
 - backward: the GEMM that makes the gradient of ``y`` (``dout W2``) multiplies it by
-  ``gelu'(z)`` in its epilogue and also sums its columns into ``b1``'s gradient
-  (``DGELU_BGRAD``): neither ``dy`` nor a separate bias reduction goes through memory.
-  The weight gradients are the usual GEMMs (added into ``weight.main_grad`` with
-  gradient accumulation fusion, :mod:`mpzero.tensor_parallel.grad_accumulation`).
+  ``gelu'(z)`` in its epilogue (``DGELU``), so ``dy`` never goes through memory; ``b1``'s
+  gradient is the column sum of that ``dz`` (one reduction: cuBLASLt's ``DGELU_BGRAD``,
+  which would do it in the epilogue, took 2.5x the GEMM's time on an H100). The weight
+  gradients are the usual GEMMs (added into ``weight.main_grad`` with gradient
+  accumulation fusion, :mod:`mpzero.tensor_parallel.grad_accumulation`).
 
 The backward needs ``z`` (for ``gelu'``) and ``y`` (for ``W2``'s gradient). With
 ``keep_gelu_output=True`` both are saved (one more ``[tokens, ffn]`` activation per
 layer than an unfused MLP); with ``False`` only ``z`` is, and the backward makes ``y``
 again with one elementwise pass.
 
-The GEMMs are the custom ops ``mpzero::gemm_bias_gelu`` and ``mpzero::gemm_dgelu_bgrad``
+The GEMMs are the custom ops ``mpzero::gemm_bias_gelu`` and ``mpzero::gemm_dgelu``
 (opaque to ``torch.compile``): on CUDA with fp16/bf16 tensors the cuBLASLt kernels of
 ``mpzero._C``, elsewhere the PyTorch reference of :mod:`mpzero.kernels` (the same math,
 so the layer runs and is tested on the CPU). Megatron's MLP fuses the bias-add and GELU
@@ -48,16 +49,15 @@ def _(x, weight, bias):
     return x.new_empty(shape), x.new_empty(shape)
 
 
-@torch.library.custom_op("mpzero::gemm_dgelu_bgrad", mutates_args=())
-def _gemm_dgelu_bgrad(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor,
-                      bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dz, dbias = kernels.gemm_dgelu_bgrad(grad_out, weight, z, bias_grad)
-    return dz, (dbias if dbias is not None else z.new_empty(0))
+@torch.library.custom_op("mpzero::gemm_dgelu", mutates_args=())
+def _gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor,
+                z: torch.Tensor) -> torch.Tensor:
+    return kernels.gemm_dgelu(grad_out, weight, z)
 
 
-@_gemm_dgelu_bgrad.register_fake
-def _(grad_out, weight, z, bias_grad):
-    return torch.empty_like(z), z.new_empty(z.shape[1] if bias_grad else 0)
+@_gemm_dgelu.register_fake
+def _(grad_out, weight, z):
+    return torch.empty_like(z)
 
 
 def _weight_grad(grad_out: torch.Tensor, input: torch.Tensor,
@@ -93,11 +93,11 @@ class _GeluMLP(torch.autograd.Function):
         d2 = dout.reshape(-1, dout.shape[-1]).contiguous()
         if y is None:
             y = F.gelu(z, approximate="tanh")
-        dz, dbias = _gemm_dgelu_bgrad(d2, proj_weight, z, ctx.has_bias and needs[2])
+        dz = _gemm_dgelu(d2, proj_weight, z)
         grad_proj = _weight_grad(d2, y, proj_main_grad) if needs[3] or needs[7] else None
         grad_fc = _weight_grad(dz, x2, fc_main_grad) if needs[1] or needs[5] else None
         grad_x = dz.mm(fc_weight).view(ctx.in_shape) if needs[0] else None
-        grad_bias = dbias if ctx.has_bias and needs[2] else None
+        grad_bias = dz.sum(0) if ctx.has_bias and needs[2] else None
         ready = dout.new_zeros(())
         return (grad_x, grad_fc, grad_bias, grad_proj, None,
                 ready if fc_main_grad is not None else None, None,
