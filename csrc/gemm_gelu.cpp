@@ -20,6 +20,7 @@
 #include <cublasLt.h>
 
 #include <memory>
+#include <string>
 
 namespace mpzero {
 namespace {
@@ -106,9 +107,21 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
                                  heuristic.workspaceSize, at::cuda::getCurrentCUDAStream()));
 }
 
+// "[a, b]" built by hand: streaming an IntArrayRef into TORCH_CHECK's message crashed this
+// translation unit (g++, torch 2.11) on the GPU machine.
+std::string shape(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d) out += ", ";
+    out += std::to_string(t.size(d));
+  }
+  return out + "]";
+}
+
 void check_matrix(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous(), "mpzero GEMM epilogue: ", name,
-              " must be a contiguous 2-D CUDA tensor, got ", t.sizes(), t.is_cuda() ? "" : " (not CUDA)");
+              " must be a contiguous 2-D CUDA tensor, got ", shape(t),
+              t.is_cuda() ? std::string() : std::string(" (not CUDA)"));
   TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.device() == like.device(),
               "mpzero GEMM epilogue: ", name, " must have x's dtype and device");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "mpzero GEMM epilogue: ",
@@ -120,7 +133,7 @@ void check_bias(const std::optional<at::Tensor>& bias, int64_t n, const at::Tens
   TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                   bias->scalar_type() == like.scalar_type(),
               "mpzero GEMM epilogue: bias must be a contiguous 1-D tensor of ", n,
-              " features of x's dtype, got ", bias->sizes());
+              " features of x's dtype, got ", shape(*bias));
 }
 
 }  // namespace
@@ -130,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at:
   check_matrix(x, "x", x);
   check_matrix(weight, "weight", x);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "mpzero GEMM epilogue: weight ", weight.sizes(),
-              " does not match x ", x.sizes());
+  TORCH_CHECK(weight.size(1) == K, "mpzero GEMM epilogue: weight ", shape(weight),
+              " does not match x ", shape(x));
   TORCH_CHECK(N % 8 == 0, "mpzero GEMM epilogue: the output features (", N,
               ") must be a multiple of 8");
   check_bias(bias, N, x);
@@ -153,8 +166,8 @@ at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight,
   check_matrix(z, "z", grad_out);
   const int64_t M = grad_out.size(0), H = grad_out.size(1), F = weight.size(1);
   TORCH_CHECK(weight.size(0) == H && z.size(0) == M && z.size(1) == F,
-              "mpzero GEMM epilogue: grad_out ", grad_out.sizes(), ", weight ", weight.sizes(),
-              " and z ", z.sizes(), " do not match (want [M, H], [H, F], [M, F])");
+              "mpzero GEMM epilogue: grad_out ", shape(grad_out), ", weight ", shape(weight),
+              " and z ", shape(z), " do not match (want [M, H], [H, F], [M, F])");
   TORCH_CHECK(F % 8 == 0, "mpzero GEMM epilogue: the hidden features (", F,
               ") must be a multiple of 8");
   const c10::cuda::CUDAGuard guard(grad_out.device());
