@@ -7,8 +7,9 @@ side by side in one run:
   epilogues), saving the GELU output for the backward;
 - ``gelu_mlp, recompute``: the same, making the GELU output again in the backward.
 
-Also the four GEMMs alone (no bias, no GELU): what any MLP of this shape must spend.
-TFLOP/s counts the 6 GEMMs' 2 m n k each (12 T H F per MLP).
+Also the six GEMMs alone (no bias, no GELU): what any MLP of this shape must spend, and
+on CUDA the two epilogue GEMMs one by one next to their plain counterparts. TFLOP/s
+counts the 6 GEMMs' 2 m n k each (12 T H F per MLP; 2 T H F for the single-GEMM rows).
 
     python bench/bench_mlp.py [--tokens 16384] [--hidden 2048] [--ffn 8192] [--iters 30]
     python bench/bench_mlp.py --cpu --tokens 64 --hidden 32 --ffn 128 --backend aot_eager
@@ -33,7 +34,8 @@ from mpzero.tensor_parallel import gelu_mlp  # noqa: E402
 
 def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
          backend: str = "inductor") -> list[tuple[str, float, float, float]]:
-    """(case, ms, TFLOP/s, peak GiB over the case's activations) per case."""
+    """(case, ms, TFLOP/s, peak GiB) per case; peak: the most memory one forward +
+    backward held above what was allocated before it (inputs and weights)."""
     g = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16
 
@@ -86,6 +88,15 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
 
     ms = _time(gemms, iters, device)
     out.append(("the 6 GEMMs alone", ms, flops / ms / 1e9, 0.0))
+    if device == "cuda" and kernels.gemm_gelu_available(xd, w1d):
+        b1d, z = b1.detach(), h
+        one = 2 * tokens * hidden * ffn
+        for name, fn in (("fc GEMM + bias (addmm)", lambda: torch.addmm(b1d, xd, w1d.t())),
+                         ("fc GEMM, GELU_AUX_BIAS", lambda: kernels.gemm_bias_gelu(xd, w1d, b1d)),
+                         ("dgrad GEMM (mm)", lambda: dout @ w2d),
+                         ("dgrad GEMM, DGELU", lambda: kernels.gemm_dgelu(dout, w2d, z))):
+            ms = _time(fn, iters, device)
+            out.append((name, ms, one / ms / 1e9, 0.0))
     return out
 
 
