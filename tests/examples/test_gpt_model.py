@@ -194,13 +194,17 @@ def test_openai_gelu_is_the_tanh_approximation():
 def _fusion_vs_plain(tp_size: int, extra: dict | None = None) -> bool:
     """The GPT with ``gradient_accumulation_fusion`` under DistributedFusedAdam (fp32
     buffer, 3 micro-batches) trains like the same GPT without it: the TP linear
-    weights get no ``.grad``, their gradients go straight into the optimizer's buffer."""
+    weights get no ``.grad``, their gradients go straight into the optimizer's buffer.
+    ``extra["fused_mlp"]``: the fused run's MLP is also the GELU-in-GEMM one."""
     import optim
 
+    extra = dict(extra or {})
+    fused_mlp = extra.pop("fused_mlp", False)  # the fused run also has the GELU-in-GEMM MLP
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     params = {}
     for fusion in (True, False):
-        cfg = GPTConfig(**CFG, **(extra or {}), gradient_accumulation_fusion=fusion)
+        cfg = GPTConfig(**CFG, **extra, gradient_accumulation_fusion=fusion,
+                        gelu_gemm_fusion=fusion and fused_mlp)
         torch.manual_seed(1234)
         model = GPT(cfg)
         opt = optim.build_optimizer("dfa", model, lr=1e-3, weight_decay=0.1,
@@ -228,7 +232,9 @@ def _fusion_vs_plain(tp_size: int, extra: dict | None = None) -> bool:
     (1, 1, None), (2, 2, None),
     (2, 2, {"sequence_parallel": True, "recompute_granularity": "full",
             "untie_embeddings_and_output_weights": True}),
-], ids=["tp1", "tp2", "tp2-sp-recompute-untied"])
+    (2, 2, {"sequence_parallel": True, "recompute_granularity": "full", "openai_gelu": True,
+            "fused_mlp": True}),
+], ids=["tp1", "tp2", "tp2-sp-recompute-untied", "tp2-sp-recompute-gelu-gemm"])
 def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp, extra):
     assert all(world(size, _fusion_vs_plain, tp, extra))
 
