@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{grad_acc}"
               f"{' (accumulated in the GEMMs)' if args.gradient_accumulation_fusion else ''}; "
               f"{device.type} {precision_name}"
-              f"{' compiled (' + (args.compile_mode or 'block') + ')' if args.compile else ''}",
+              f"{' compiled (' + (args.compile_mode or 'block') + ')' if args.compile else ''}"
+              f"{'; MLP: bias + GELU in the GEMMs' if cfg.gelu_gemm_fusion else ''}",
               flush=True)
 
     # Which node each rank runs on, so the log shows what the optimizer groups span.
