@@ -3,7 +3,7 @@
 # measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
-#                             [profile] [peers] [peers-ga] [peers-eager] [gelu]
+#                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -18,6 +18,7 @@
 #   peers-ga:  the same with --openai-gelu and 4 micro-batches per step (global batch 32)
 #   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
 #   gelu:      bench/bench_gelu.py (exact vs tanh GELU, fwd + bwd, compiled, 1.3B MLP shape)
+#   mlp:       bench/bench_mlp.py (the 1.3B MLP unfused vs GELU in the GEMMs' epilogues)
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -93,6 +94,7 @@ for s in $stages; do
                    --setups torch,ddp,zero1,fsdp2,dfa,dfa-remainders,adamw --warmup 3 --iters 12 \
                    --json "$OUT/peers_eager.json" ;;
     gelu) stage gelu python3 bench/bench_gelu.py ;;
+    mlp) stage mlp python3 bench/bench_mlp.py --iters 30 ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
