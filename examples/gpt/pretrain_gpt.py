@@ -302,6 +302,10 @@ def model_config(args, vocab_size: int) -> GPTConfig:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1 and \
             dist.get_rank() == 0:
         print("note: --sequence-parallel with tensor-model-parallel size 1 changes nothing")
+    gelu_gemm = arg_checks.gelu_gemm_fusion(args)
+    if gelu_gemm and getattr(args, "bias_gelu_fusion", False) and dist.get_rank() == 0:
+        print("note: --bias-gelu-fusion is not used where the GELU runs in the MLP's GEMMs "
+              "(--gelu-gemm-fusion)")
     return GPTConfig(vocab_size=vocab_size, seq_length=args.seq_length,
                      num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads,
@@ -320,7 +324,7 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      gradient_accumulation_fusion=bool(
                          getattr(args, "gradient_accumulation_fusion", False)),
                      bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)),
-                     gelu_gemm_fusion=arg_checks.gelu_gemm_fusion(args),
+                     gelu_gemm_fusion=gelu_gemm,
                      gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)))
 
 
