@@ -55,15 +55,39 @@ def test_gemm_dgelu_equals_reference(dtype, M, H, F):
     torch.testing.assert_close(dz, reference.gemm_dgelu(dout, w, z), **TOL[dtype])
 
 
+_ERRORS = """
+import torch
+from mpzero.kernels import cuda as kcuda
+x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(16, 8, device="cuda", dtype=torch.bfloat16)
+cases = [(lambda: kcuda.gemm_bias_gelu(x, w.half(), None), "weight must have x's dtype"),
+         (lambda: kcuda.gemm_bias_gelu(x, w, torch.zeros(3, device="cuda",
+                                                         dtype=torch.bfloat16)),
+          "bias must be a contiguous 1-D tensor of 16 features of x's dtype, got [3]"),
+         (lambda: kcuda.gemm_bias_gelu(x.t(), w, None),
+          "x must be a contiguous 2-D CUDA tensor, got [8, 4]"),
+         (lambda: kcuda.gemm_dgelu(x, w, x), "do not match")]
+for call, want in cases:
+    try:
+        call()
+    except RuntimeError as e:
+        assert want in str(e), (want, str(e))
+    else:
+        raise AssertionError("no error: " + want)
+print("ok")
+"""
+
+
 def test_gemm_errors_name_the_argument():
-    x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(16, 8, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="weight must have x's dtype"):
-        kcuda.gemm_bias_gelu(x, w.half(), None)
-    with pytest.raises(RuntimeError, match="bias must be a contiguous 1-D tensor of 16"):
-        kcuda.gemm_bias_gelu(x, w, torch.zeros(3, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="contiguous 2-D"):
-        kcuda.gemm_bias_gelu(x.t(), w, None)
+    """Bad tensors get an error naming the argument and its shape. Run in a child process:
+    a crash while the message is built (seen once with streamed sizes) fails this test
+    instead of ending the session."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ERRORS], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
 
 
 def _mlp_inputs(dtype, seed=0, tokens=(4, 512), hidden=256, ffn=1024):
