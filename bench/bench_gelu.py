@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step  # noqa: E402
 
 
-def _time(fn, iters: int, device: str) -> float:
+def time_ms(fn, iters: int, device: str) -> float:
     """Median ms of ``iters`` calls after 3 warm-ups (bench_step's timer: CUDA events
     around each call, the host clock on CPU)."""
     for _ in range(3):
@@ -64,8 +64,8 @@ def rows(tokens: int, features: int, iters: int, device: str = "cuda",
             (grad,) = torch.autograd.grad(y, xg, dy, retain_graph=True)
             return grad
 
-        ms_f = _time(lambda f=fwd: f(x), iters, device)
-        ms_b = _time(backward, iters, device)
+        ms_f = time_ms(lambda f=fwd: f(x), iters, device)
+        ms_b = time_ms(backward, iters, device)
         out.append((f"gelu {approximate} forward", ms_f, 4 * n / ms_f / 1e9))
         out.append((f"gelu {approximate} backward", ms_b, 6 * n / ms_b / 1e9))
     # With the MLP's bias: the backward also makes the bias gradient (a column sum of dx).
@@ -83,10 +83,10 @@ def rows(tokens: int, features: int, iters: int, device: str = "cuda",
             def backward(y=y, xg=xg, bg=bg):
                 return torch.autograd.grad(y, (xg, bg), dy, retain_graph=True)
 
-            ms_b = _time(backward, iters, device)
+            ms_b = time_ms(backward, iters, device)
             out.append((f"bias+gelu {approximate} bwd, {name}", ms_b, 6 * n / ms_b / 1e9))
     dst = torch.empty_like(x)
-    ms_c = _time(lambda: dst.copy_(x), iters, device)
+    ms_c = time_ms(lambda: dst.copy_(x), iters, device)
     out.append(("copy of x (forward's bytes)", ms_c, 4 * n / ms_c / 1e9))
     diff = (F.gelu(x.float()) - F.gelu(x.float(), approximate="tanh")).abs().max().item()
     return out, diff

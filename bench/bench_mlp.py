@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gelu  # noqa: E402
-from bench_gelu import _time  # noqa: E402
+from bench_gelu import time_ms  # noqa: E402
 
 from mpzero import kernels  # noqa: E402
 from mpzero.tensor_parallel import gelu_mlp  # noqa: E402
@@ -70,7 +70,7 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = _time(step, iters, device)
+        ms = time_ms(step, iters, device)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if device == "cuda" else 0.0
         out.append((name, ms, flops / ms / 1e9, peak))
 
@@ -86,7 +86,7 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
         f = h.t() @ xd         # fc wgrad
         return a, b, c, d, e, f
 
-    ms = _time(gemms, iters, device)
+    ms = time_ms(gemms, iters, device)
     out.append(("the 6 GEMMs alone", ms, flops / ms / 1e9, 0.0))
     if device == "cuda" and kernels.gemm_gelu_available(xd, w1d):
         b1d, z = b1.detach(), h
@@ -95,7 +95,7 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
                          ("fc GEMM, GELU_AUX_BIAS", lambda: kernels.gemm_bias_gelu(xd, w1d, b1d)),
                          ("dgrad GEMM (mm)", lambda: dout @ w2d),
                          ("dgrad GEMM, DGELU", lambda: kernels.gemm_dgelu(dout, w2d, z))):
-            ms = _time(fn, iters, device)
+            ms = time_ms(fn, iters, device)
             out.append((name, ms, one / ms / 1e9, 0.0))
     return out
 

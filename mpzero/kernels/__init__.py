@@ -349,12 +349,16 @@ def gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) ->
 _LT_UNSUPPORTED: dict[tuple, str] = {}  # (op, shapes, dtype) cuBLASLt found no algorithm for
 
 
+def _lt_key(op: str, args: tuple) -> tuple:
+    return (op, args[0].device, args[0].dtype,
+            *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+
+
 def _lt_call(op: str, fn, *args):
     """``fn(*args)``, or None where cuBLASLt has no algorithm for this epilogue and these
-    shapes (remembered, with one warning: the caller then takes a slower path)."""
-    key = (op, torch.cuda.current_device(), args[0].dtype,
-           *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
-    if key in _LT_UNSUPPORTED:
+    shapes (remembered, with one warning: the caller then takes a slower path). The key
+    is only built once something was remembered: nothing extra on the usual path."""
+    if _LT_UNSUPPORTED and _lt_key(op, args) in _LT_UNSUPPORTED:
         return None
     try:
         return fn(*args)
@@ -365,7 +369,7 @@ def _lt_call(op: str, fn, *args):
 
         from mpzero.warn import user_stacklevel
 
-        _LT_UNSUPPORTED[key] = str(e)
+        _LT_UNSUPPORTED[_lt_key(op, args)] = str(e)
         warnings.warn(f"mpzero: {e}; using the unfused path for these shapes",
                       stacklevel=user_stacklevel())
         return None

@@ -123,10 +123,10 @@ def gelu_mlp(x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | N
     save ``gelu(z)`` for the backward (faster) or make it again there (one
     ``[tokens, F]`` activation less).
     """
-    tensors = [("x", x), ("fc_weight", fc_weight), ("proj_weight", proj_weight)]
+    others = [("fc_weight", fc_weight), ("proj_weight", proj_weight)]
     if fc_bias is not None:
-        tensors.append(("fc_bias", fc_bias))
-    for name, t in tensors[1:]:
+        others.append(("fc_bias", fc_bias))
+    for name, t in others:
         if t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"gelu_mlp: {name} is {t.dtype} on {t.device}, x is {x.dtype} on "
                              f"{x.device}; all tensors must share x's dtype and device")
