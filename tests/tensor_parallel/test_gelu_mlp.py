@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tp_mlp_layers import fc_and_proj
 
 from mpzero import kernels
 from mpzero import parallel_state as ps
@@ -166,14 +167,7 @@ def _tp_mlp(tp_size, sp, bias, fused):
     """fc -> gelu(tanh) -> proj over TP (fp64), the fused or the unfused way: the full
     output and this rank's gradients."""
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
-    torch.manual_seed(0)
-    kw = dict(sequence_parallel=sp, sequence_dim=1, params_dtype=torch.float64)
-    fc = tp.ColumnParallelLinear(8, 16, bias=bias, **kw)
-    proj = tp.RowParallelLinear(16, 8, bias=bias, input_is_parallel=True, **kw)
-    with torch.no_grad():
-        for p in (fc.bias, proj.bias):
-            if p is not None:
-                p.normal_()
+    fc, proj = fc_and_proj(sp, bias)
     x = _randn(1, 2, 4 * tp_size, 8).requires_grad_()
     inp = tp.scatter_to_sequence_parallel_region(x, 1) if sp else x
     if fused:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tp_mlp_layers import fc_and_proj
 
 from mpzero import parallel_state as ps
 from mpzero import tensor_parallel as tp
@@ -79,15 +80,7 @@ def _mlp(sp: bool, tp_size: int, bias: bool):
     """Column -> GELU -> Row on batch-first (B, T, h) input, with or without SP."""
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     r = ps.get_tensor_model_parallel_rank()
-    torch.manual_seed(0)
-    kw = dict(sequence_parallel=sp, sequence_dim=1)
-    fc = tp.ColumnParallelLinear(8, 16, bias=bias, params_dtype=torch.float64, **kw)
-    proj = tp.RowParallelLinear(16, 8, bias=bias, input_is_parallel=True,
-                                params_dtype=torch.float64, **kw)
-    with torch.no_grad():
-        for p in (fc.bias, proj.bias):
-            if p is not None:
-                p.normal_()
+    fc, proj = fc_and_proj(sp, bias)
     x = _randn(1, 2, 4 * tp_size, 8).requires_grad_()
     inp = tp.scatter_to_sequence_parallel_region(x, 1) if sp else x
     h, _ = fc(inp)
