@@ -1,8 +1,10 @@
-"""pretrain_gpt.py's command line: ``--help`` with defaults, and contradictory flags.
+"""pretrain_gpt.py's command line: ``--help`` with defaults, contradictory flags, and the
+model it describes.
 
 ``check_args`` stops the run before anything starts when flags contradict each other
 (an argparse error that names the flag, exit status 2), and prints a ``warning:`` line
-on rank 0 for flags that are legal but probably not what was meant.
+on rank 0 for flags that are legal but probably not what was meant. ``model_config`` is
+the :class:`GPTConfig` of the flags (with the options resolved that depend on the run).
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+import torch.distributed as dist
+
+from model import GPTConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -109,3 +115,40 @@ def gelu_gemm_fusion(args: argparse.Namespace) -> bool:
     return (bool(getattr(args, "openai_gelu", False)) and not getattr(args, "swiglu", False)
             and bool(getattr(args, "bf16", False)) and not getattr(args, "cpu", False)
             and kernels.gemm_gelu_available())
+
+
+def model_config(args, vocab_size: int) -> GPTConfig:
+    """The GPTConfig of the command line (Megatron's flag names)."""
+    granularity = args.recompute_granularity or ("selective" if args.recompute_activations
+                                                 else None)
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ValueError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ValueError("--group-query-attention needs --num-query-groups")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1 and \
+            dist.get_rank() == 0:
+        print("note: --sequence-parallel with tensor-model-parallel size 1 changes nothing")
+    gelu_gemm = gelu_gemm_fusion(args)
+    if gelu_gemm and getattr(args, "bias_gelu_fusion", False) and dist.get_rank() == 0:
+        print("note: --bias-gelu-fusion is not used where the GELU runs in the MLP's GEMMs "
+              "(--gelu-gemm-fusion)")
+    return GPTConfig(vocab_size=vocab_size, seq_length=args.seq_length,
+                     num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads,
+                     ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout,
+                     sequence_parallel=args.sequence_parallel,
+                     recompute_granularity=granularity,
+                     recompute_num_layers=args.recompute_num_layers,
+                     position_embedding_type=args.position_embedding_type,
+                     rotary_base=args.rotary_base, normalization=args.normalization,
+                     swiglu=args.swiglu, openai_gelu=args.openai_gelu,
+                     num_query_groups=args.num_query_groups,
+                     untie_embeddings_and_output_weights=
+                         args.untie_embeddings_and_output_weights,
+                     add_bias_linear=not args.disable_bias_linear,
+                     attention_backend=args.attention_backend,
+                     gradient_accumulation_fusion=bool(
+                         getattr(args, "gradient_accumulation_fusion", False)),
+                     bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)),
+                     gelu_gemm_fusion=gelu_gemm,
+                     gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)))

@@ -54,7 +54,6 @@ import precision  # noqa: E402
 from model import (  # noqa: E402
     ATTENTION_BACKENDS,
     GPT,
-    GPTConfig,
     flops_per_token,
     padded_vocab_size,
 )
@@ -291,43 +290,6 @@ def load_data(args) -> tuple[np.ndarray, np.ndarray, int]:
     return train, val, vocab
 
 
-def model_config(args, vocab_size: int) -> GPTConfig:
-    """The GPTConfig of the command line (Megatron's flag names)."""
-    granularity = args.recompute_granularity or ("selective" if args.recompute_activations
-                                                 else None)
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ValueError("--num-query-groups needs --group-query-attention")
-    if args.group_query_attention and args.num_query_groups is None:
-        raise ValueError("--group-query-attention needs --num-query-groups")
-    if args.sequence_parallel and args.tensor_model_parallel_size == 1 and \
-            dist.get_rank() == 0:
-        print("note: --sequence-parallel with tensor-model-parallel size 1 changes nothing")
-    gelu_gemm = arg_checks.gelu_gemm_fusion(args)
-    if gelu_gemm and getattr(args, "bias_gelu_fusion", False) and dist.get_rank() == 0:
-        print("note: --bias-gelu-fusion is not used where the GELU runs in the MLP's GEMMs "
-              "(--gelu-gemm-fusion)")
-    return GPTConfig(vocab_size=vocab_size, seq_length=args.seq_length,
-                     num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads,
-                     ffn_hidden_size=args.ffn_hidden_size, dropout=args.dropout,
-                     sequence_parallel=args.sequence_parallel,
-                     recompute_granularity=granularity,
-                     recompute_num_layers=args.recompute_num_layers,
-                     position_embedding_type=args.position_embedding_type,
-                     rotary_base=args.rotary_base, normalization=args.normalization,
-                     swiglu=args.swiglu, openai_gelu=args.openai_gelu,
-                     num_query_groups=args.num_query_groups,
-                     untie_embeddings_and_output_weights=
-                         args.untie_embeddings_and_output_weights,
-                     add_bias_linear=not args.disable_bias_linear,
-                     attention_backend=args.attention_backend,
-                     gradient_accumulation_fusion=bool(
-                         getattr(args, "gradient_accumulation_fusion", False)),
-                     bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)),
-                     gelu_gemm_fusion=gelu_gemm,
-                     gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)))
-
-
 def lr_at(iteration: int, args) -> float:
     """Linear warmup to --lr over --lr-warmup-iters, then cosine decay to --min-lr."""
     if args.lr_warmup_iters > 0 and iteration <= args.lr_warmup_iters:
@@ -443,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"vocab_size": vocab_size}
     args.padded_vocab_size = padded_vocab_size(vocab_size, args.tensor_model_parallel_size,
                                                args.make_vocab_size_divisible_by)
-    cfg = model_config(args, args.padded_vocab_size)
+    cfg = arg_checks.model_config(args, args.padded_vocab_size)
     args.ffn_hidden_size = cfg.ffn_hidden_size
     if args.pipeline_model_parallel_size > 1:
         if args.optimizer != "dfa" or args.save or args.load:

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt")
 
 from mpzero import parallel_state as ps  # noqa: E402
 
+import arg_checks  # noqa: E402
 import compiling  # noqa: E402
 import pretrain_gpt  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -88,8 +89,8 @@ def _attention_backends():
         for g, ref in zip(out[backend][1], out["math"][1]):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
     args = pretrain_gpt.parse_args(["--attention-backend", "cudnn"])
-    assert pretrain_gpt.model_config(args, 256).attention_backend == "cudnn"
-    default = pretrain_gpt.model_config(pretrain_gpt.parse_args([]), 256)
+    assert arg_checks.model_config(args, 256).attention_backend == "cudnn"
+    default = arg_checks.model_config(pretrain_gpt.parse_args([]), 256)
     assert default.attention_backend == "auto"
     ps.destroy_model_parallel()
     return True
