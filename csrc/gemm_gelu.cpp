@@ -12,6 +12,7 @@
 // is computed transposed: y^T = W1 x^T (W1 [N, K] row-major = column-major [K, N], op T),
 // and dz^T = W2^T dout^T (W2 [H, F] row-major = column-major [F, H], op N). The bias
 // vector runs along cuBLASLt's rows (our features): both epilogues' bias is per feature.
+#include "messages.h"
 #include "mpzero.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -96,8 +97,8 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
   int found = 0;
   MPZERO_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, raw, a.get(), b.get(), d.get(),
                                                  d.get(), praw, 1, &heuristic, &found));
-  TORCH_CHECK(found > 0, "mpzero GEMM epilogue: cuBLASLt has no algorithm for m=", m,
-              " n=", n, " k=", k, " with epilogue ", static_cast<int>(epilogue));
+  TORCH_CHECK(found > 0, "mpzero GEMM epilogue: cuBLASLt has no algorithm for m=", num(m),
+              " n=", num(n), " k=", num(k), " with epilogue ", num(static_cast<int>(epilogue)));
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(heuristic.workspaceSize)}, like.options().dtype(at::kByte));
   const float alpha = 1.0f, beta = 0.0f;
@@ -107,8 +108,8 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
                                  heuristic.workspaceSize, at::cuda::getCurrentCUDAStream()));
 }
 
-// "[a, b]" built by hand: streaming an IntArrayRef into TORCH_CHECK's message crashed this
-// translation unit (g++, torch 2.11) on the GPU machine.
+// "[a, b]" built by hand, and every number through num() (messages.h): streaming an integer
+// or an IntArrayRef into TORCH_CHECK's message crashes this extension on the GPU machine.
 std::string shape(const at::Tensor& t) {
   std::string out = "[";
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -132,7 +133,7 @@ void check_bias(const std::optional<at::Tensor>& bias, int64_t n, const at::Tens
   if (!bias) return;
   TORCH_CHECK(bias->is_cuda() && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
                   bias->scalar_type() == like.scalar_type(),
-              "mpzero GEMM epilogue: bias must be a contiguous 1-D tensor of ", n,
+              "mpzero GEMM epilogue: bias must be a contiguous 1-D tensor of ", num(n),
               " features of x's dtype, got ", shape(*bias));
 }
 
@@ -145,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at:
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "mpzero GEMM epilogue: weight ", shape(weight),
               " does not match x ", shape(x));
-  TORCH_CHECK(N % 8 == 0, "mpzero GEMM epilogue: the output features (", N,
+  TORCH_CHECK(N % 8 == 0, "mpzero GEMM epilogue: the output features (", num(N),
               ") must be a multiple of 8");
   check_bias(bias, N, x);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -168,7 +169,7 @@ at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight,
   TORCH_CHECK(weight.size(0) == H && z.size(0) == M && z.size(1) == F,
               "mpzero GEMM epilogue: grad_out ", shape(grad_out), ", weight ", shape(weight),
               " and z ", shape(z), " do not match (want [M, H], [H, F], [M, F])");
-  TORCH_CHECK(F % 8 == 0, "mpzero GEMM epilogue: the hidden features (", F,
+  TORCH_CHECK(F % 8 == 0, "mpzero GEMM epilogue: the hidden features (", num(F),
               ") must be a multiple of 8");
   const c10::cuda::CUDAGuard guard(grad_out.device());
   at::Tensor dz = at::empty({M, F}, grad_out.options());
