@@ -118,7 +118,7 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
     torch.manual_seed(a.seed)
     model = GPT(cfg).to(device)
     autocast = contextlib.nullcontext
-    if setup not in BF16_PARAMS and setup != "fsdp2":  # the torch users' AMP recipe
+    if uses_autocast(setup):  # the torch users' AMP recipe
         def autocast():
             return torch.autocast(device.type, dtype=torch.bfloat16)
     if setup in BF16_PARAMS:
@@ -186,6 +186,12 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
     raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
 
 
+def uses_autocast(setup: str) -> bool:
+    """The fp32-weight setups run their forward under bf16 autocast (FSDP2 casts its
+    parameters to bf16 itself, the example's setups hold bf16 parameters)."""
+    return setup not in BF16_PARAMS and setup != "fsdp2"
+
+
 def grad_accumulation_fusion(setup: str, a) -> bool:
     """The dfa setups' weight-gradient GEMMs add into the optimizer's buffer: as the flag
     says, or (None) with several micro-batches per iteration, as the example does."""
@@ -202,15 +208,15 @@ def model_config(a, setup: str = "") -> GPTConfig:
                      attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
                      gradient_accumulation_fusion=grad_accumulation_fusion(setup, a),
                      bias_gelu_fusion=bool(a.bias_gelu_fusion),
-                     gelu_gemm_fusion=gelu_gemm_fusion(a),
+                     gelu_gemm_fusion=gelu_gemm_fusion(a) and not uses_autocast(setup),
                      gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output))
 
 
 def gelu_gemm_fusion(a) -> bool:
-    """Every setup's MLP with the GELU in its GEMMs (it applies where the parameters
-    are one dtype with the activations: the bf16-parameter setups and FSDP2; under
-    autocast the MLP stays unfused): as the flag says, or (None) as the example decides,
-    with --openai-gelu on a GPU with the CUDA extension."""
+    """The MLP with the GELU in its GEMMs, for the setups whose parameters are one dtype
+    with the activations (the bf16-parameter setups and FSDP2; under autocast the MLP
+    stays unfused, and the row says so): as the flag says, or (None) as the example
+    decides, with --openai-gelu on a GPU with the CUDA extension."""
     if a.gelu_gemm_fusion is not None:
         return bool(a.gelu_gemm_fusion)
     from mpzero import kernels

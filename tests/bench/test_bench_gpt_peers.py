@@ -48,3 +48,21 @@ def test_unknown_setup_is_refused(capsys):
     assert "nope" in capsys.readouterr().err
     a = bench_gpt_peers.parse_args(["--small", "--num-layers", "3", "--nproc", "2"])
     assert (a.num_layers, a.hidden_size, a.setups[0]) == (3, 768, "ddp")  # torch: 1 rank
+
+
+def test_gelu_gemm_fusion_only_where_no_autocast():
+    """The fused MLP needs one dtype throughout: the autocast setups (torch, DDP, ZeRO-1)
+    run unfused and their config (hence their JSON row) says so; the bf16-parameter
+    setups and FSDP2 take it."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpt_peers_worker as worker
+
+    p = argparse.ArgumentParser()
+    worker.add_shape_args(p)
+    a = p.parse_args(["--openai-gelu", "--gelu-gemm-fusion", "--grad-acc", "4"])
+    fused = {s: worker.model_config(a, s).gelu_gemm_fusion for s in worker.SETUPS}
+    assert fused == {s: s in ("dfa", "dfa-remainders", "adamw", "fsdp2") for s in worker.SETUPS}
+    a = p.parse_args(["--openai-gelu", "--no-gelu-gemm-fusion"])
+    assert not any(worker.model_config(a, s).gelu_gemm_fusion for s in worker.SETUPS)
