@@ -5,12 +5,10 @@ side by side in one run:
   the example's blocks are (inductor makes the GELU, its gradient and the bias sum);
 - ``gelu_mlp``: ``mpzero.tensor_parallel.gelu_mlp`` (bias and GELU in the GEMMs'
   epilogues), saving the GELU output for the backward;
-- ``gelu_mlp, bias grad summed apart``: the same with ``b1``'s gradient as a separate
-  reduction instead of the fc weight-gradient GEMM's ``BGRADB`` epilogue;
 - ``gelu_mlp, recompute``: the same, making the GELU output again in the backward.
 
 Also the six GEMMs alone (no bias, no GELU): what any MLP of this shape must spend, and
-on CUDA the three epilogue GEMMs one by one next to their plain counterparts. TFLOP/s
+on CUDA the two epilogue GEMMs one by one next to their plain counterparts. TFLOP/s
 counts the 6 GEMMs' 2 m n k each (12 T H F per MLP; 2 T H F for the single-GEMM rows).
 
     python bench/bench_mlp.py [--tokens 16384] [--hidden 2048] [--ffn 8192] [--iters 30]
@@ -32,7 +30,6 @@ from bench_gelu import time_ms  # noqa: E402
 
 from mpzero import kernels  # noqa: E402
 from mpzero.tensor_parallel import gelu_mlp  # noqa: E402
-from mpzero.tensor_parallel import grad_accumulation as ga  # noqa: E402
 
 
 def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
@@ -55,24 +52,18 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
     def unfused(x, w1, b1, w2):
         return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2)
 
-    fused = torch.compile(lambda *t: gelu_mlp(*t), backend=backend)
-    cases = {  # name: (function, bias gradient from the wgrad GEMM's epilogue)
-        "unfused (compiled)": (torch.compile(unfused, backend=backend), True),
-        "gelu_mlp": (fused, True),
-        "gelu_mlp, bias grad summed apart": (fused, False),
-        "gelu_mlp, recompute": (torch.compile(
-            lambda *t: gelu_mlp(*t, keep_gelu_output=False), backend=backend), True),
+    cases = {
+        "unfused (compiled)": torch.compile(unfused, backend=backend),
+        "gelu_mlp": torch.compile(lambda *t: gelu_mlp(*t), backend=backend),
+        "gelu_mlp, recompute": torch.compile(
+            lambda *t: gelu_mlp(*t, keep_gelu_output=False), backend=backend),
     }
     flops = 12 * tokens * hidden * ffn
     out = []
-    for name, (fn, bgrad) in cases.items():
-        def step(fn=fn, bgrad=bgrad):
-            ga.set_bias_grad_in_gemm(bgrad)
-            try:
-                y = fn(*leaves)
-                torch.autograd.grad(y, leaves, dout)
-            finally:
-                ga.set_bias_grad_in_gemm(True)
+    for name, fn in cases.items():
+        def step(fn=fn):
+            y = fn(*leaves)
+            torch.autograd.grad(y, leaves, dout)
 
         step()
         if device == "cuda":
@@ -104,20 +95,6 @@ def rows(tokens: int, hidden: int, ffn: int, iters: int, device: str = "cuda",
                          ("fc GEMM, GELU_AUX_BIAS", lambda: kernels.gemm_bias_gelu(xd, w1d, b1d)),
                          ("dgrad GEMM (mm)", lambda: dout @ w2d),
                          ("dgrad GEMM, DGELU", lambda: kernels.gemm_dgelu(dout, w2d, z))):
-            ms = time_ms(fn, iters, device)
-            out.append((name, ms, one / ms / 1e9, 0.0))
-        # fc's weight gradient (h stands for the GELU's input gradient dz [tokens, ffn])
-        # with b1's gradient: into an fp32 main_grad as with gradient accumulation fusion,
-        # and into a new bf16 tensor; a GEMM and a separate sum, or BGRADB.
-        acc = torch.zeros(ffn, hidden, device=device)
-        w16 = torch.empty(ffn, hidden, device=device, dtype=dt)
-        for name, fn in (
-                ("fc wgrad += fp32, + bias sum", lambda: (ga.wgrad_accumulate(acc, h, xd),
-                                                          h.sum(0, dtype=torch.float32))),
-                ("fc wgrad += fp32, BGRADB",
-                 lambda: kernels.gemm_wgrad_bgrad(h, xd, acc, accumulate=True)),
-                ("fc wgrad (mm) + bias sum", lambda: (h.t() @ xd, h.sum(0))),
-                ("fc wgrad, BGRADB", lambda: kernels.gemm_wgrad_bgrad(h, xd, w16))):
             ms = time_ms(fn, iters, device)
             out.append((name, ms, one / ms / 1e9, 0.0))
     return out

@@ -47,7 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 
 from mpzero import parallel_state  # noqa: E402
-from mpzero.tensor_parallel import grad_accumulation  # noqa: E402
 
 import compiling  # noqa: E402
 import logging_utils  # noqa: E402
@@ -268,7 +267,6 @@ def run(setup: str, a) -> dict | None:
             "gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
             "bias_gelu_fusion": cfg.bias_gelu_fusion, "gelu_gemm_fusion": cfg.gelu_gemm_fusion,
             "gelu_gemm_keep_output": cfg.gelu_gemm_keep_output,
-            "bias_grad_in_gemm": grad_accumulation.bias_grad_in_gemm(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),

@@ -53,10 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_dgelu", &mpzero::gemm_dgelu,
         "cuBLASLt GEMM with GELU-gradient (tanh) epilogue: (grad_out weight) * gelu'(z)",
         py::arg("grad_out"), py::arg("weight"), py::arg("z"));
-  m.def("gemm_wgrad_bgrad", &mpzero::gemm_wgrad_bgrad,
-        "cuBLASLt weight-gradient GEMM with bias-gradient epilogue: out (+)= grad_out^T input, "
-        "returns grad_out's column sums",
-        py::arg("grad_out"), py::arg("input"), py::arg("out"), py::arg("accumulate"));
   m.def("set_launch_config", &mpzero::set_launch_config,
         "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
         py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));

@@ -1,21 +1,17 @@
-// GEMMs with cuBLASLt epilogues, row-major tensors:
+// GELU in the GEMM's epilogue (cuBLASLt), for an MLP  out = gelu(x W1^T + b1) W2^T:
 //
-//   gemm_bias_gelu:   z = x W1^T + b1, y = gelu(z)           one GEMM writes y and z
-//   gemm_dgelu:      dz = (dout W2) * gelu'(z)                one GEMM writes dz
-//   gemm_wgrad_bgrad: dW (+)= dy^T x, db = sum of dy's rows   one GEMM writes (adds) dW and db
+//   gemm_bias_gelu:  z = x W1^T + b1, y = gelu(z)           one GEMM writes y and z
+//   gemm_dgelu:     dz = (dout W2) * gelu'(z)                one GEMM writes dz
 //
 // (cuBLASLt's DGELU_BGRAD epilogue would also sum dz's columns into b1's gradient, but on
 // an H100 with the cuBLASLt of CUDA 13.0 it took 1.91 ms at the 1.3B GPT's shape against
-// 0.80 ms for DGELU alone and 0.77 for the plain GEMM; b1's gradient comes from the
-// weight-gradient GEMM's BGRADB epilogue instead, which reduces the same dz.)
+// 0.80 ms for DGELU alone and 0.77 for the plain GEMM; the bias gradient is a separate
+// reduction, see mpzero/tensor_parallel/gelu_mlp.py.)
 // cuBLASLt's GELU is the tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
 // Row-major [M, N] tensors are column-major [N, M] matrices to cuBLASLt, so each product
 // is computed transposed: y^T = W1 x^T (W1 [N, K] row-major = column-major [K, N], op T),
 // and dz^T = W2^T dout^T (W2 [H, F] row-major = column-major [F, H], op N). The bias
 // vector runs along cuBLASLt's rows (our features): both epilogues' bias is per feature.
-// The weight gradient dW [N, K] row-major is column-major [K, N] = x^T (column-major
-// [K, M], op N) times dy (column-major [N, M], op T): its columns are our output
-// features, and BGRADB sums B = dy over the GEMM's k (our tokens) per column.
 #include "messages.h"
 #include "mpzero.h"
 
@@ -61,27 +57,20 @@ void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const
   MPZERO_LT_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
 }
 
-cudaDataType_t lt_type(at::ScalarType t, bool fp32_ok = false) {
+cudaDataType_t lt_type(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return CUDA_R_16BF;
     case at::kHalf: return CUDA_R_16F;
-    case at::kFloat:
-      if (fp32_ok) return CUDA_R_32F;
-      [[fallthrough]];
     default: TORCH_CHECK(false, "mpzero GEMM epilogue: dtype must be bf16 or fp16, got ", t);
   }
 }
 
-// D [m, n] (column-major, ld m; out's data, bf16/fp16 like A and B or fp32) =
-// op(A) [m, k] op(B) [k, n] + beta D, fp32 accumulation, then the epilogue; A is
-// column-major [transa ? k : m, transa ? m : k] with ld lda, B likewise.
+// D [m, n] (column-major, ld m) = op(A) [m, k] op(B) [k, n], fp32 accumulation, then the
+// epilogue; A is column-major [transa ? k : m, transa ? m : k] with ld lda, B likewise.
 void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int64_t n,
-               int64_t k, const void* A, int64_t lda, const void* B, int64_t ldb,
-               const at::Tensor& out, float beta, cublasLtEpilogue_t epilogue, void* bias,
-               void* aux) {
+               int64_t k, const void* A, int64_t lda, const void* B, int64_t ldb, void* D,
+               cublasLtEpilogue_t epilogue, void* bias, void* aux) {
   const cudaDataType_t type = lt_type(like.scalar_type());
-  const cudaDataType_t d_type = lt_type(out.scalar_type(), /*fp32_ok=*/true);
-  void* D = out.data_ptr();
   cublasLtMatmulDesc_t raw = nullptr;
   MPZERO_LT_CHECK(cublasLtMatmulDescCreate(&raw, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   MatmulDesc desc(raw);
@@ -89,14 +78,12 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
   set_attr(raw, CUBLASLT_MATMUL_DESC_TRANSB, transb ? CUBLAS_OP_T : CUBLAS_OP_N);
   set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (bias != nullptr) set_attr(raw, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
-  if (aux != nullptr) {
-    set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
-    set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, m);
-  }
+  set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, aux);
+  set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, m);
 
   Layout a = layout(type, transa ? k : m, transa ? m : k, lda);
   Layout b = layout(type, transb ? n : k, transb ? k : n, ldb);
-  Layout d = layout(d_type, m, n, m);
+  Layout d = layout(type, m, n, m);
 
   cublasLtMatmulPreference_t praw = nullptr;
   MPZERO_LT_CHECK(cublasLtMatmulPreferenceCreate(&praw));
@@ -114,7 +101,7 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
               " n=", num(n), " k=", num(k), " with epilogue ", num(static_cast<int>(epilogue)));
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(heuristic.workspaceSize)}, like.options().dtype(at::kByte));
-  const float alpha = 1.0f;
+  const float alpha = 1.0f, beta = 0.0f;
   MPZERO_LT_CHECK(cublasLtMatmul(handle, raw, &alpha, A, a.get(), B, b.get(), &beta, D,
                                  d.get(), D, d.get(), &heuristic.algo,
                                  workspace.numel() ? workspace.data_ptr() : nullptr,
@@ -168,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at:
   if (M == 0) return {y, z};
   // y^T [N, M] = W [N, K] (column-major [K, N], op T) x^T (column-major [K, M]).
   lt_matmul(x, /*transa=*/true, /*transb=*/false, N, M, K, weight.data_ptr(), K, x.data_ptr(),
-            K, y, 0.0f, bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX,
+            K, y.data_ptr(), bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX,
             bias ? bias->data_ptr() : nullptr, z.data_ptr());
   return {y, z};
 }
@@ -189,39 +176,9 @@ at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight,
   if (M == 0) return dz;
   // dz^T [F, M] = W^T (W [H, F] row-major = column-major [F, H], op N) dout^T ([H, M]).
   lt_matmul(grad_out, /*transa=*/false, /*transb=*/false, F, M, H, weight.data_ptr(), F,
-            grad_out.data_ptr(), H, dz, 0.0f, CUBLASLT_EPILOGUE_DGELU, nullptr,
+            grad_out.data_ptr(), H, dz.data_ptr(), CUBLASLT_EPILOGUE_DGELU, nullptr,
             z.data_ptr());
   return dz;
-}
-
-at::Tensor gemm_wgrad_bgrad(const at::Tensor& grad_out, const at::Tensor& input,
-                            const at::Tensor& out, bool accumulate) {
-  check_matrix(grad_out, "grad_out", grad_out);
-  check_matrix(input, "input", grad_out);
-  const int64_t M = grad_out.size(0), N = grad_out.size(1), K = input.size(1);
-  TORCH_CHECK(input.size(0) == M, "mpzero GEMM epilogue: grad_out ", shape(grad_out),
-              " and input ", shape(input), " must have the same rows");
-  TORCH_CHECK(out.is_cuda() && out.dim() == 2 && out.size(0) == N && out.size(1) == K &&
-                  out.is_contiguous() && out.device() == grad_out.device() &&
-                  (out.scalar_type() == grad_out.scalar_type() ||
-                   out.scalar_type() == at::kFloat),
-              "mpzero GEMM epilogue: out must be a contiguous [", num(N), ", ", num(K),
-              "] CUDA tensor of grad_out's dtype or fp32, got ", shape(out));
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-              "mpzero GEMM epilogue: out must be 16-byte aligned");
-  TORCH_CHECK(N % 8 == 0 && K % 8 == 0, "mpzero GEMM epilogue: the features (", num(N), ", ",
-              num(K), ") must be multiples of 8");
-  const c10::cuda::CUDAGuard guard(grad_out.device());
-  at::Tensor dbias = at::empty({N}, out.options());
-  if (M == 0) {
-    if (!accumulate) out.zero_();
-    dbias.zero_();
-    return dbias;
-  }
-  lt_matmul(grad_out, /*transa=*/false, /*transb=*/true, K, N, M, input.data_ptr(), K,
-            grad_out.data_ptr(), N, out, accumulate ? 1.0f : 0.0f, CUBLASLT_EPILOGUE_BGRADB,
-            dbias.data_ptr(), nullptr);
-  return dbias;
 }
 
 }  // namespace mpzero

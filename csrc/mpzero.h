@@ -100,11 +100,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at:
                                                   const std::optional<at::Tensor>& bias);
 // grad_out [M, H], weight [H, F], z [M, F] -> dz = (grad_out weight) * gelu'(z), [M, F].
 at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& z);
-// grad_out [M, N], input [M, K], out [N, K] (grad_out's dtype or fp32): out = (or +=, with
-// accumulate) grad_out^T input; returns the bias gradient, grad_out's column sums, [N] in
-// out's dtype (cuBLASLt's BGRADB epilogue: one GEMM).
-at::Tensor gemm_wgrad_bgrad(const at::Tensor& grad_out, const at::Tensor& input,
-                            const at::Tensor& out, bool accumulate);
 
 // Launch tuning (benchmarks): 0 leaves a value unchanged.
 void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
            "fused_cross_entropy_available", "bias_gelu_backward", "gemm_gelu_available",
-           "gemm_bias_gelu", "gemm_dgelu", "gemm_wgrad_bgrad"]
+           "gemm_bias_gelu", "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
 
@@ -346,48 +346,12 @@ def gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) ->
     return reference.gemm_dgelu(grad_out, weight, z)
 
 
-def gemm_wgrad_bgrad(grad_out: torch.Tensor, input: torch.Tensor, out: torch.Tensor, *,
-                     accumulate: bool = False) -> torch.Tensor:
-    """A linear layer's weight and bias gradients in one GEMM: ``out = grad_out^T @ input``
-    (``out +=`` with ``accumulate``) for ``grad_out [M, N]``, ``input [M, K]``, ``out
-    [N, K]`` of ``grad_out``'s dtype or fp32; returns ``grad_out.sum(0)`` in ``out``'s
-    dtype. On CUDA one cuBLASLt GEMM whose ``BGRADB`` epilogue sums ``grad_out`` while
-    the GEMM reads it (fp32 accumulation); else
-    :func:`mpzero.kernels.reference.gemm_wgrad_bgrad`."""
-    if (grad_out.dim() != 2 or input.dim() != 2 or out.dim() != 2
-            or input.shape[0] != grad_out.shape[0]
-            or out.shape != (grad_out.shape[1], input.shape[1])):
-        raise ValueError(f"gemm_wgrad_bgrad: grad_out [M, N], input [M, K] and out [N, K] "
-                         f"expected, got {tuple(grad_out.shape)}, {tuple(input.shape)} and "
-                         f"{tuple(out.shape)}")
-    if out.dtype not in (grad_out.dtype, torch.float32):
-        allowed = " or ".join(dict.fromkeys((str(grad_out.dtype), "torch.float32")))
-        raise ValueError(f"gemm_wgrad_bgrad: out must be {allowed}, got {out.dtype}")
-    if wgrad_bgrad_on_cuda(grad_out, input, out):
-        db = _lt_call("gemm_wgrad_bgrad", _cuda.gemm_wgrad_bgrad, grad_out, input, out,
-                      accumulate)
-        if db is not None:
-            return db
-    return reference.gemm_wgrad_bgrad(grad_out, input, out, accumulate)
-
-
-def wgrad_bgrad_on_cuda(grad_out: torch.Tensor, input: torch.Tensor,
-                        out: torch.Tensor) -> bool:
-    """Whether :func:`gemm_wgrad_bgrad` runs the cuBLASLt GEMM for these tensors:
-    ``grad_out`` and ``input`` as :func:`gemm_gelu_available` wants them, ``out``
-    contiguous, 16-byte aligned, on their device, of their dtype or fp32."""
-    return (out.dtype in (grad_out.dtype, torch.float32) and out.is_cuda
-            and out.device == grad_out.device and out.is_contiguous()
-            and out.data_ptr() % 16 == 0 and gemm_gelu_available(grad_out, input)
-            and hasattr(_cuda, "gemm_wgrad_bgrad"))
-
-
 _LT_UNSUPPORTED: dict[tuple, str] = {}  # (op, shapes, dtype) cuBLASLt found no algorithm for
 
 
 def _lt_key(op: str, args: tuple) -> tuple:
-    return (op, args[0].device,
-            *((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor)))
+    return (op, args[0].device, args[0].dtype,
+            *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
 
 
 def _lt_call(op: str, fn, *args):

@@ -30,7 +30,6 @@ __all__ = [
     "gemm_gelu_available",
     "gemm_bias_gelu",
     "gemm_dgelu",
-    "gemm_wgrad_bgrad",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -309,7 +308,3 @@ def gemm_bias_gelu(x, weight, bias):
 
 def gemm_dgelu(grad_out, weight, z):
     return _C.gemm_dgelu(grad_out, weight, z)
-
-
-def gemm_wgrad_bgrad(grad_out, input, out, accumulate):
-    return _C.gemm_wgrad_bgrad(grad_out, input, out, accumulate)

@@ -18,7 +18,7 @@ import torch
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
 __all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu",
-           "gemm_dgelu", "gemm_wgrad_bgrad"]
+           "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
 
@@ -297,16 +297,3 @@ def gemm_dgelu(grad_out: torch.Tensor, weight: torch.Tensor, z: torch.Tensor) ->
     ``z [M, F]``), the product kept in fp32 (or wider) until ``dz`` is rounded."""
     dy = _wide(grad_out).mm(_wide(weight))
     return torch.ops.aten.gelu_backward(dy, _wide(z), approximate="tanh").to(z.dtype)
-
-
-def gemm_wgrad_bgrad(grad_out: torch.Tensor, input: torch.Tensor, out: torch.Tensor,
-                     accumulate: bool) -> torch.Tensor:
-    """``out = grad_out^T input`` (``+=`` with ``accumulate``) for ``grad_out [M, N]``,
-    ``input [M, K]``, ``out [N, K]``, the product in fp32 (or wider) rounded once into
-    ``out``'s dtype; returns the bias gradient ``grad_out.sum(0)`` (fp32 or wider sum)
-    in ``out``'s dtype."""
-    prod = _wide(grad_out).t().mm(_wide(input))
-    if accumulate:
-        prod = prod + _wide(out)
-    out.copy_(prod)
-    return _wide(grad_out).sum(0).to(out.dtype)

@@ -7,12 +7,11 @@ way instead of GEMMs with elementwise passes between them:
   accumulators (cuBLASLt's ``GELU_AUX_BIAS`` epilogue), then ``out = y W2^T``. No
   separate pass reads ``z`` to make ``y``.
 - backward: the GEMM that makes the gradient of ``y`` (``dout W2``) multiplies it by
-  ``gelu'(z)`` in its epilogue (``DGELU``), so ``dy`` never goes through memory. The
-  weight gradients are the usual GEMMs (added into ``weight.main_grad`` with gradient
-  accumulation fusion, :mod:`mpzero.tensor_parallel.grad_accumulation`); ``b1``'s
-  gradient, the column sums of ``dz``, comes from ``W1``'s weight-gradient GEMM, which
-  reads ``dz`` anyway (its ``BGRADB`` epilogue; cuBLASLt's ``DGELU_BGRAD``, which would
-  make it in the ``DGELU`` GEMM instead, took 2.5x that GEMM's time on an H100).
+  ``gelu'(z)`` in its epilogue (``DGELU``), so ``dy`` never goes through memory; ``b1``'s
+  gradient is the column sum of that ``dz`` (one reduction: cuBLASLt's ``DGELU_BGRAD``,
+  which would do it in the epilogue, took 2.5x the GEMM's time on an H100). The weight
+  gradients are the usual GEMMs (added into ``weight.main_grad`` with gradient
+  accumulation fusion, :mod:`mpzero.tensor_parallel.grad_accumulation`).
 
 The backward needs ``z`` (for ``gelu'``) and ``y`` (for ``W2``'s gradient). With
 ``keep_gelu_output=True`` both are saved (one more ``[tokens, ffn]`` activation per
@@ -32,12 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mpzero import kernels
-from mpzero.tensor_parallel.grad_accumulation import (
-    can_fuse,
-    wgrad_accumulate,
-    wgrad_accumulate_bgrad,
-    wgrad_bgrad,
-)
+from mpzero.tensor_parallel.grad_accumulation import can_fuse, wgrad_accumulate
 
 __all__ = ["gelu_mlp", "parallel_gelu_mlp"]
 
@@ -101,16 +95,9 @@ class _GeluMLP(torch.autograd.Function):
             y = F.gelu(z, approximate="tanh")
         dz = _gemm_dgelu(d2, proj_weight, z)
         grad_proj = _weight_grad(d2, y, proj_main_grad) if needs[3] or needs[7] else None
-        grad_fc, grad_bias = None, None
-        if ctx.has_bias and needs[2]:  # the bias gradient from the fc wgrad GEMM's epilogue
-            if fc_main_grad is not None:
-                grad_bias = wgrad_accumulate_bgrad(fc_main_grad, dz, x2).to(dz.dtype)
-            else:
-                grad_fc, grad_bias = wgrad_bgrad(dz, x2)
-                grad_fc = grad_fc if needs[1] else None
-        elif needs[1] or needs[5]:
-            grad_fc = _weight_grad(dz, x2, fc_main_grad)
+        grad_fc = _weight_grad(dz, x2, fc_main_grad) if needs[1] or needs[5] else None
         grad_x = dz.mm(fc_weight).view(ctx.in_shape) if needs[0] else None
+        grad_bias = dz.sum(0) if ctx.has_bias and needs[2] else None
         ready = dout.new_zeros(())
         return (grad_x, grad_fc, grad_bias, grad_proj, None,
                 ready if fc_main_grad is not None else None, None,

@@ -31,28 +31,14 @@ so ``torch.compile`` keeps it as one call that writes the buffer in place. On CU
 it is one cuBLAS GEMM with fp32 output and ``beta=1``
 (``torch.addmm(..., out_dtype=torch.float32)``); elsewhere a matmul in the buffer's
 dtype and an add.
-
-A layer with a bias uses ``mpzero::wgrad_accumulate_bgrad`` instead, which also
-returns the bias gradient (the column sums of the output gradient): on CUDA, with
-the extension, the same GEMM makes it in its cuBLASLt ``BGRADB`` epilogue while it
-reads the output gradient (:func:`mpzero.kernels.gemm_wgrad_bgrad`), so no separate
-reduction pass reads that gradient again. :func:`set_bias_grad_in_gemm` (or the
-environment variable ``MPZERO_BIAS_GRAD_IN_GEMM=0``) turns that off: the GEMM
-above and a separate sum.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from mpzero import kernels
-
-__all__ = ["linear_with_grad_accumulation", "wgrad_accumulate", "wgrad_accumulate_bgrad",
-           "wgrad_bgrad", "set_bias_grad_in_gemm", "bias_grad_in_gemm", "can_fuse",
-           "OPTIMIZER_ATTRS"]
+__all__ = ["linear_with_grad_accumulation", "wgrad_accumulate", "can_fuse", "OPTIMIZER_ATTRS"]
 
 OPTIMIZER_ATTRS = ("main_grad", "main_grad_ready")  # set on parameters by the optimizer
 
@@ -96,63 +82,6 @@ def _(main_grad, grad_output, input) -> None:
     return None
 
 
-_BIAS_GRAD_IN_GEMM = [os.environ.get("MPZERO_BIAS_GRAD_IN_GEMM", "1") != "0"]
-
-
-def set_bias_grad_in_gemm(on: bool) -> None:
-    """Make bias gradients in the weight-gradient GEMM's epilogue where the CUDA
-    extension can (default; ``MPZERO_BIAS_GRAD_IN_GEMM=0`` starts with it off), or
-    always as a separate sum."""
-    _BIAS_GRAD_IN_GEMM[0] = bool(on)
-
-
-def bias_grad_in_gemm() -> bool:
-    """Whether bias gradients may come from the weight-gradient GEMM's epilogue."""
-    return _BIAS_GRAD_IN_GEMM[0]
-
-
-def _bgrad_on_cuda(grad_output: torch.Tensor, input: torch.Tensor,
-                   out: torch.Tensor) -> bool:
-    return _BIAS_GRAD_IN_GEMM[0] and kernels.wgrad_bgrad_on_cuda(grad_output, input, out)
-
-
-@torch.library.custom_op("mpzero::wgrad_accumulate_bgrad", mutates_args=("main_grad",))
-def wgrad_accumulate_bgrad(main_grad: torch.Tensor, grad_output: torch.Tensor,
-                           input: torch.Tensor) -> torch.Tensor:
-    """:func:`wgrad_accumulate`, and the bias gradient ``grad_output``'s column sums
-    over every leading dimension, returned in ``main_grad``'s dtype: on CUDA from the
-    same GEMM's epilogue (one pass over ``grad_output``), else a separate sum."""
-    dy, x = _as_matrix(grad_output), _as_matrix(input)
-    if main_grad.is_cuda and _bgrad_on_cuda(dy, x, main_grad):
-        return kernels.gemm_wgrad_bgrad(dy, x, main_grad, accumulate=True)
-    wgrad_accumulate(main_grad, grad_output, input)
-    return dy.sum(0, dtype=main_grad.dtype)
-
-
-@wgrad_accumulate_bgrad.register_fake
-def _(main_grad, grad_output, input):
-    return main_grad.new_empty(grad_output.shape[-1])
-
-
-@torch.library.custom_op("mpzero::wgrad_bgrad", mutates_args=())
-def wgrad_bgrad(grad_output: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor,
-                                                                        torch.Tensor]:
-    """``(grad_output^T @ input, grad_output's column sums)`` over every leading
-    dimension, both in ``grad_output``'s dtype: a linear layer's weight and bias
-    gradients, on CUDA from one GEMM (the sums in its epilogue)."""
-    dy, x = _as_matrix(grad_output), _as_matrix(input)
-    out = dy.new_empty(dy.shape[1], x.shape[1])
-    if dy.is_cuda and _bgrad_on_cuda(dy, x, out):
-        return out, kernels.gemm_wgrad_bgrad(dy, x, out)
-    return torch.mm(dy.t(), x, out=out), dy.sum(0)
-
-
-@wgrad_bgrad.register_fake
-def _(grad_output, input):
-    return (grad_output.new_empty(grad_output.shape[-1], input.shape[-1]),
-            grad_output.new_empty(grad_output.shape[-1]))
-
-
 class _LinearWithGradAccumulation(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose weight gradient is added into ``main_grad``
     (the weight gets none; ``ready`` gets a zero gradient instead)."""
@@ -171,11 +100,9 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         main_grad = ctx.main_grad
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_bias = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = wgrad_accumulate_bgrad(main_grad, grad_out, x).to(grad_out.dtype)
-        else:
-            wgrad_accumulate(main_grad, grad_out, x)
+        wgrad_accumulate(main_grad, grad_out, x)
+        grad_bias = _as_matrix(grad_out).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
+            else None
         return grad_x, None, grad_bias, None, grad_out.new_zeros(())
 
 

@@ -157,11 +157,6 @@ def test_errors_name_the_problem():
         kernels.gemm_bias_gelu(x, w1.detach(), b1.detach()[:3])
     with pytest.raises(ValueError, match="gemm_dgelu"):
         kernels.gemm_dgelu(x, w2.detach(), x)
-    with pytest.raises(ValueError, match=r"out \[N, K\] expected, got \(2, 8\), \(2, 8\) and "
-                                         r"\(8, 9\)"):
-        kernels.gemm_wgrad_bgrad(x, x, torch.zeros(8, 9))
-    with pytest.raises(ValueError, match="out must be torch.float32, got torch.float64"):
-        kernels.gemm_wgrad_bgrad(x, x, torch.zeros(8, 8, dtype=torch.float64))
     fc = tp.ColumnParallelLinear(8, 16, gather_output=True)
     proj = tp.RowParallelLinear(16, 8, input_is_parallel=True)
     with pytest.raises(ValueError, match="gather_output"):

@@ -18,13 +18,9 @@ from mpzero import parallel_state as ps
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mpzero.tensor_parallel.grad_accumulation import (
-    bias_grad_in_gemm,
     can_fuse,
     linear_with_grad_accumulation,
-    set_bias_grad_in_gemm,
     wgrad_accumulate,
-    wgrad_accumulate_bgrad,
-    wgrad_bgrad,
 )
 
 # 64 fp32 elements per bucket, and up to 16 syncs in flight: every bucket of a backward
@@ -96,38 +92,6 @@ def test_wgrad_accumulate_mixed_dtypes():
     expected = acc + dy.float().t() @ x.float()
     wgrad_accumulate(acc, dy, x)
     torch.testing.assert_close(acc, expected, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_weight_and_bias_gradient_ops(compiled):
-    """``wgrad_accumulate_bgrad`` adds dy^T x into an fp32 main_grad and returns dy's
-    column sums in fp32; ``wgrad_bgrad`` returns both in dy's dtype; compiled (their fake
-    kernels) equals eager."""
-    dy, x = _randn(0, 2, 7, 8, dtype=torch.bfloat16), _randn(1, 2, 7, 16, dtype=torch.bfloat16)
-    d2, x2 = dy.reshape(-1, 8).float(), x.reshape(-1, 16).float()
-    acc = _randn(2, 8, 16)
-    want_acc, want_db = acc + d2.t() @ x2, d2.sum(0)
-
-    def both(acc, dy, x):
-        return wgrad_accumulate_bgrad(acc, dy, x), wgrad_bgrad(dy, x)
-
-    fn = torch.compile(both, fullgraph=True, backend="aot_eager") if compiled else both
-    db, (w16, b16) = fn(acc, dy, x)
-    torch.testing.assert_close(acc, want_acc, rtol=1e-6, atol=1e-5)
-    assert db.dtype == torch.float32 and w16.dtype == b16.dtype == torch.bfloat16
-    torch.testing.assert_close(db, want_db, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(w16, (d2.t() @ x2).bfloat16(), rtol=0, atol=0)
-    torch.testing.assert_close(b16, want_db.bfloat16(), rtol=0, atol=0)
-
-
-def test_bias_grad_in_gemm_switch():
-    assert bias_grad_in_gemm()  # the default (MPZERO_BIAS_GRAD_IN_GEMM unset)
-    set_bias_grad_in_gemm(False)
-    try:
-        assert not bias_grad_in_gemm()
-    finally:
-        set_bias_grad_in_gemm(True)
-    assert bias_grad_in_gemm()
 
 
 def test_deepcopy_leaves_the_optimizer_buffer_behind():
