@@ -66,3 +66,26 @@ def test_gelu_gemm_fusion_only_where_no_autocast():
     assert fused == {s: s in ("dfa", "dfa-remainders", "adamw", "fsdp2") for s in worker.SETUPS}
     a = p.parse_args(["--openai-gelu", "--no-gelu-gemm-fusion"])
     assert not any(worker.model_config(a, s).gelu_gemm_fusion for s in worker.SETUPS)
+
+
+def _row(setup, mfu, **kw):
+    return dict(setup=setup, parameters=1.3e9, device="NVIDIA H200", world=1, compile="block",
+                openai_gelu=True, grad_acc=4, iter_ms=1000.0, step_share=0.017, peak_gib=45.0,
+                tokens_per_s=65000.0, mfu=mfu, **kw)
+
+
+@pytest.mark.parametrize("mfu", [0.6, None], ids=["gpu", "cpu"])
+def test_plot_gpt_peers(tmp_path, mfu):
+    """bench/plot_gpt_peers.py draws the rows without an error (MFU, or tokens/s where a
+    CPU run has none); a JSON of errors only is refused with a message."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import plot_gpt_peers
+
+    shape = dict(num_layers=24, hidden_size=2048, seq_length=2048, micro_batch_size=8)
+    report = {"shape": shape, "grad_acc": 4,
+              "rows": [_row("dfa", mfu), _row("fsdp2", mfu), {"setup": "ddp", "error": "x"}]}
+    png = tmp_path / "peers.png"
+    plot_gpt_peers.plot(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="no row without an error"):
+        plot_gpt_peers.plot({"shape": shape, "rows": report["rows"][2:]}, str(png))
