@@ -11,13 +11,16 @@ drawn as tokens/s instead.
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plot_step import cli, save  # noqa: E402
 
 OURS = ("dfa", "dfa-remainders", "adamw")  # the example's own setups
 
@@ -63,20 +66,8 @@ def plot(report: dict, out: str) -> None:
     right.set_xlim(0, max(peaks) * 1.25)
     right.set_xlabel("peak memory, GiB")
     fig.suptitle(_title(report, rows), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", help="bench_gpt_peers.py --json output")
-    ap.add_argument("--out", default="gpt_peers.png")
-    a = ap.parse_args()
-    with open(a.json) as f:
-        plot(json.load(f), a.out)
-    print(f"wrote {a.out}")
+    save(fig, out)
 
 
 if __name__ == "__main__":
-    main()
+    cli(plot, __doc__, "bench_gpt_peers.py", "gpt_peers.png")

@@ -36,20 +36,27 @@ def plot(result: dict, out: str) -> None:
                  f"({meta['hidden']}, {meta['hidden']})), {meta['gpu']}, torch {meta['torch']}",
                  fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.12), fontsize=9, ncol=1)
+    save(fig, out)
+
+
+def save(fig, out: str) -> None:
+    """Lay ``fig`` out, write it to ``out`` (120 dpi) and close it."""
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", help="bench_step.py --json output")
-    ap.add_argument("--out", default="step_modes.png")
+def cli(plot_fn, doc: str, source: str, default_out: str) -> None:
+    """A plot script's command line: the JSON that ``source`` wrote, drawn by
+    ``plot_fn(result, out)`` into ``--out``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("json", help=f"{source} --json output")
+    ap.add_argument("--out", default=default_out)
     a = ap.parse_args()
     with open(a.json) as f:
-        plot(json.load(f), a.out)
+        plot_fn(json.load(f), a.out)
     print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":
-    main()
+    cli(plot, __doc__, "bench_step.py", "step_modes.png")
