@@ -595,3 +595,64 @@ def test_split_access_bit_exact(split, pdt, gdt, odt):
                     assert _same_bits(a, b)
     finally:
         kc.set_split_access(old)
+
+
+# ---- pipelined tiles (set_pipeline_stages): the same bits, whatever the depth ------------
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_pipeline_stages_bit_exact(stages, offset):
+    """Tiles through shared memory give the reference's bits: every size around a block
+    step, misaligned views (offset 1: the plain path inside the pipelined kernel), a grad
+    scale, the fp32 and the bf16 + remainder kernels, and a list longer than one launch."""
+    old = kc.pipeline_stages()
+    try:
+        kc.set_pipeline_stages(stages)
+        assert kc.pipeline_stages() == stages
+        kw = dict(BASE, grad_scale=torch.tensor(0.5, device=DEV))
+        for pdt, gdt, odt in [(torch.float32, torch.bfloat16, torch.bfloat16),
+                              (torch.float32, torch.float32, None),
+                              (torch.float32, torch.float16, torch.float32)]:
+            got, want = _run_adam_pair(SPLIT_SIZES, pdt, gdt, odt, offset=offset, **kw)
+            for gl, wl in zip(got, want):
+                for a, b in zip(gl or [], wl or []):
+                    assert not torch.isnan(a).any(), "unwritten (NaN-poisoned) output"
+                    assert _same_bits(a, b), f"{pdt}/{gdt}: max diff " \
+                        f"{(a.float() - b.float()).abs().max().item()}"
+        many = [4096 * (1 + i % 3) + i for i in range(70)]  # > 64 tensors: two launches
+        got, want = _run_adam_pair(many, torch.float32, torch.bfloat16, torch.bfloat16, **kw)
+        for gl, wl in zip(got, want):
+            assert all(_same_bits(a, b) for a, b in zip(gl, wl))
+        for gdt_r, odt_r in [(torch.bfloat16, torch.bfloat16), (torch.float32, None)]:
+            lists = _rem_inputs(SPLIT_SIZES, gdt_r, odt_r, _gen(), offset)
+            ref = list(map(_clone, lists))
+            kernels.adam_remainders(*lists, **kw)
+            reference.adam_remainders(*ref, **kw)
+            for a_list, b_list in zip(lists, ref):
+                for a, b in zip(a_list or [], b_list or []):
+                    assert _same_bits(a, b)
+    finally:
+        kc.set_pipeline_stages(old)
+
+
+def test_pipeline_found_inf_writes_nothing():
+    old = kc.pipeline_stages()
+    try:
+        kc.set_pipeline_stages(3)
+        gen = _gen()
+        p, g, m, v, out = _adam_inputs(SPLIT_SIZES, torch.float32, torch.bfloat16,
+                                       torch.bfloat16, gen, 0)
+        before = [t.clone() for t in p + m + v + out]
+        kernels.adam(p, g, m, v, out, found_inf=torch.ones((), device=DEV), **BASE)
+        for a, b in zip(p + m + v + out, before):
+            assert _same_bits(a, b) or (torch.isnan(a).all() and torch.isnan(b).all())
+    finally:
+        kc.set_pipeline_stages(old)
+
+
+def test_pipeline_stages_errors():
+    with pytest.raises(RuntimeError, match="pipeline stages must be 0 .off. or 2..4, got 5"):
+        kc.set_pipeline_stages(5)
+    with pytest.raises(RuntimeError, match="got 1"):
+        kc.set_pipeline_stages(1)
