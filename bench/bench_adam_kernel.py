@@ -215,30 +215,19 @@ def case_remainders(n, iters):
     return _time(fn, iters), 28
 
 
-def _with(case, setter: str, value):
-    """``case`` run with one kernel knob of ``mpzero.kernels.cuda`` set (``set_<setter>``),
-    restored afterwards."""
-    def run(n, iters):
-        from mpzero.kernels import cuda as kc
-
-        old = getattr(kc, setter)()
-        getattr(kc, "set_" + setter)(value)
-        try:
-            return case(n, iters)
-        finally:
-            getattr(kc, "set_" + setter)(old)
-    return run
-
-
 def _in_a_row(case):
     """``case`` with the Adam kernels' older access pattern, 8 elements in a row per thread
     (``kc.set_split_access(False)``; the default splits them into two runs of 4)."""
-    return _with(case, "split_access", False)
+    def run(n, iters):
+        from mpzero.kernels import cuda as kc
 
-
-def _pipelined(case, stages: int):
-    """``case`` with ``stages`` tiles through shared memory (``kc.set_pipeline_stages``)."""
-    return _with(case, "pipeline_stages", stages)
+        old = kc.split_access()
+        kc.set_split_access(False)
+        try:
+            return case(n, iters)
+        finally:
+            kc.set_split_access(old)
+    return run
 
 
 CASES = [
@@ -254,12 +243,6 @@ CASES = [
     ("mpzero mixed, 8 in a row", _in_a_row(case_mixed)),
     ("mpzero capturable mixed, graph, 8 in a row", _in_a_row(case_capturable_graph)),
     ("mpzero remainders, 8 in a row", _in_a_row(case_remainders)),
-    ("mpzero fp32, pipelined 3", _pipelined(case_fp32, 3)),
-    ("mpzero mixed, pipelined 2", _pipelined(case_mixed, 2)),
-    ("mpzero mixed, pipelined 3", _pipelined(case_mixed, 3)),
-    ("mpzero mixed, pipelined 4", _pipelined(case_mixed, 4)),
-    ("mpzero capturable mixed, graph, pipelined 3", _pipelined(case_capturable_graph, 3)),
-    ("mpzero remainders, pipelined 3", _pipelined(case_remainders, 3)),
 ]
 
 

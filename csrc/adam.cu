@@ -9,7 +9,7 @@
 // computed on the device in fp64, and a nonzero found_inf makes every block return before
 // touching memory.
 #include "mpzero.h"
-#include "multi_tensor_pipeline.cuh"
+#include "multi_tensor_apply.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -76,26 +76,6 @@ struct AdamOp {
   }
   __device__ __forceinline__ void finish() {}
 
-  // Update 8 elements held in registers and store them (p, m, v and the output).
-  template <bool S>
-  __device__ __forceinline__ void update_store8(P* p, P* m, P* v, OutKind ok, void* out,
-                                                int64_t i0, int64_t i1, float (&rp)[kVec],
-                                                const float (&rg)[kVec], float (&rm)[kVec],
-                                                float (&rv)[kVec]) const {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
-    store8x<S>(p, i0, i1, rp);
-    store8x<S>(m, i0, i1, rm);
-    store8x<S>(v, i0, i1, rv);
-    store8x_out<S>(ok, out, i0, i1, rp);
-  }
-
-  __device__ __forceinline__ bool aligned(const TensorListMeta<5>& meta, int t) const {
-    const void* out = meta.ptr[4][t];
-    return aligned16(meta.ptr[0][t]) && aligned16(meta.ptr[1][t]) && aligned16(meta.ptr[2][t]) &&
-           aligned16(meta.ptr[3][t]) && (out == nullptr || aligned16(out));
-  }
-
   __device__ __forceinline__ void apply(const TensorListMeta<5>& meta, int t, int64_t begin,
                                         int64_t end) {
     P* p = static_cast<P*>(meta.ptr[0][t]);
@@ -104,8 +84,10 @@ struct AdamOp {
     P* v = static_cast<P*>(meta.ptr[3][t]);
     void* out = meta.ptr[4][t];
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
+    const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
+                         (out == nullptr || aligned16(out));
     for_chunk_x(
-        aligned(meta, t), kSplit, begin, end,
+        aligned, kSplit, begin, end,
         [&](auto tag, int64_t i0, int64_t i1) {
           constexpr bool S = decltype(tag)::value;
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
@@ -113,7 +95,12 @@ struct AdamOp {
           load8x<S>(g, i0, i1, rg);
           load8x<S>(m, i0, i1, rm);
           load8x<S>(v, i0, i1, rv);
-          update_store8<S>(p, m, v, ok, out, i0, i1, rp, rg, rm, rv);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
+          store8x<S>(p, i0, i1, rp);
+          store8x<S>(m, i0, i1, rm);
+          store8x<S>(v, i0, i1, rv);
+          store8x_out<S>(ok, out, i0, i1, rp);
         },
         [&](int64_t base, int64_t e) {
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
@@ -174,35 +161,6 @@ struct AdamRemOp {
     else store1_out(ok, out, i, x);
   }
 
-  // Update 8 elements held in registers (bf16 bits + remainders) and store them.
-  template <bool S>
-  __device__ __forceinline__ void update_store8(uint16_t* p, uint16_t* r, float* m, float* v,
-                                                OutKind ok, void* out, int64_t i0, int64_t i1,
-                                                uint32_t (&hp)[kVec], uint32_t (&hr)[kVec],
-                                                const float (&rg)[kVec], float (&rm)[kVec],
-                                                float (&rv)[kVec]) const {
-    float x[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      x[j] = merge_bits(hp[j], hr[j]);
-      s.update(x[j], rg[j], rm[j], rv[j], gs);
-      split_bits(x[j], hp[j], hr[j]);
-    }
-    store8x_u16<S>(p, i0, i1, hp);
-    store8x_u16<S>(r, i0, i1, hr);
-    store8x<S>(m, i0, i1, rm);
-    store8x<S>(v, i0, i1, rv);
-    if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
-    else store8x_out<S>(ok, out, i0, i1, x);
-  }
-
-  __device__ __forceinline__ bool aligned(const TensorListMeta<6>& meta, int t) const {
-    const void* out = meta.ptr[5][t];
-    return aligned16(meta.ptr[0][t]) && aligned16(meta.ptr[1][t]) && aligned16(meta.ptr[2][t]) &&
-           aligned16(meta.ptr[3][t]) && aligned16(meta.ptr[4][t]) &&
-           (out == nullptr || aligned16(out));
-  }
-
   __device__ __forceinline__ void apply(const TensorListMeta<6>& meta, int t, int64_t begin,
                                         int64_t end) {
     uint16_t* p = static_cast<uint16_t*>(meta.ptr[0][t]);
@@ -212,18 +170,31 @@ struct AdamRemOp {
     float* v = static_cast<float*>(meta.ptr[4][t]);
     void* out = meta.ptr[5][t];
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
+    const bool aligned = aligned16(p) && aligned16(r) && aligned16(g) && aligned16(m) &&
+                         aligned16(v) && (out == nullptr || aligned16(out));
     for_chunk_x(
-        aligned(meta, t), kSplit, begin, end,
+        aligned, kSplit, begin, end,
         [&](auto tag, int64_t i0, int64_t i1) {
           constexpr bool S = decltype(tag)::value;
           uint32_t hp[kVec], hr[kVec];
-          float rg[kVec], rm[kVec], rv[kVec];
+          float x[kVec], rg[kVec], rm[kVec], rv[kVec];
           load8x_u16<S>(p, i0, i1, hp);
           load8x_u16<S>(r, i0, i1, hr);
           load8x<S>(g, i0, i1, rg);
           load8x<S>(m, i0, i1, rm);
           load8x<S>(v, i0, i1, rv);
-          update_store8<S>(p, r, m, v, ok, out, i0, i1, hp, hr, rg, rm, rv);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            x[j] = merge_bits(hp[j], hr[j]);
+            s.update(x[j], rg[j], rm[j], rv[j], gs);
+            split_bits(x[j], hp[j], hr[j]);
+          }
+          store8x_u16<S>(p, i0, i1, hp);
+          store8x_u16<S>(r, i0, i1, hr);
+          store8x<S>(m, i0, i1, rm);
+          store8x<S>(v, i0, i1, rv);
+          if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
+          else store8x_out<S>(ok, out, i0, i1, x);
         },
         [&](int64_t base, int64_t e) {
 #pragma unroll
@@ -243,84 +214,6 @@ struct AdamRemOp {
             }
           }
         });
-  }
-};
-
-// The pipelined forms (multi_tensor_pipeline.cuh) of the fp32-master kernels: the same
-// update, the tile's inputs read from shared memory. Split access only.
-template <typename G>
-struct AdamTiles : AdamOp<float, G, true> {
-  static constexpr int kStageBytes = 3 * Staged<float>::kBytes + Staged<G>::kBytes;
-
-  __device__ __forceinline__ void fetch(const TensorListMeta<5>& meta, int t, int64_t i0,
-                                        int64_t i1, char* st) const {
-    const int n = blockDim.x;
-    Staged<float>::fetch(st, static_cast<const float*>(meta.ptr[0][t]), i0, i1);
-    st += n * Staged<float>::kBytes;
-    Staged<G>::fetch(st, static_cast<const G*>(meta.ptr[1][t]), i0, i1);
-    st += n * Staged<G>::kBytes;
-    Staged<float>::fetch(st, static_cast<const float*>(meta.ptr[2][t]), i0, i1);
-    st += n * Staged<float>::kBytes;
-    Staged<float>::fetch(st, static_cast<const float*>(meta.ptr[3][t]), i0, i1);
-  }
-
-  __device__ __forceinline__ void tile(const TensorListMeta<5>& meta, int t, int64_t i0,
-                                       int64_t i1, const char* st) const {
-    const int n = blockDim.x;
-    float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
-    Staged<float>::read(st, rp);
-    st += n * Staged<float>::kBytes;
-    Staged<G>::read(st, rg);
-    st += n * Staged<G>::kBytes;
-    Staged<float>::read(st, rm);
-    st += n * Staged<float>::kBytes;
-    Staged<float>::read(st, rv);
-    void* out = meta.ptr[4][t];
-    this->template update_store8<true>(
-        static_cast<float*>(meta.ptr[0][t]), static_cast<float*>(meta.ptr[2][t]),
-        static_cast<float*>(meta.ptr[3][t]), out == nullptr ? OutKind::kNone : this->out_kind,
-        out, i0, i1, rp, rg, rm, rv);
-  }
-};
-
-template <typename G>
-struct AdamRemTiles : AdamRemOp<G, true> {
-  static constexpr int kStageBytes =
-      2 * Staged<uint16_t>::kBytes + Staged<G>::kBytes + 2 * Staged<float>::kBytes;
-
-  __device__ __forceinline__ void fetch(const TensorListMeta<6>& meta, int t, int64_t i0,
-                                        int64_t i1, char* st) const {
-    const int n = blockDim.x;
-    Staged<uint16_t>::fetch(st, static_cast<const uint16_t*>(meta.ptr[0][t]), i0, i1);
-    st += n * Staged<uint16_t>::kBytes;
-    Staged<uint16_t>::fetch(st, static_cast<const uint16_t*>(meta.ptr[1][t]), i0, i1);
-    st += n * Staged<uint16_t>::kBytes;
-    Staged<G>::fetch(st, static_cast<const G*>(meta.ptr[2][t]), i0, i1);
-    st += n * Staged<G>::kBytes;
-    Staged<float>::fetch(st, static_cast<const float*>(meta.ptr[3][t]), i0, i1);
-    st += n * Staged<float>::kBytes;
-    Staged<float>::fetch(st, static_cast<const float*>(meta.ptr[4][t]), i0, i1);
-  }
-
-  __device__ __forceinline__ void tile(const TensorListMeta<6>& meta, int t, int64_t i0,
-                                       int64_t i1, const char* st) const {
-    const int n = blockDim.x;
-    uint32_t hp[kVec], hr[kVec];
-    float rg[kVec], rm[kVec], rv[kVec];
-    Staged<uint16_t>::read_u16(st, hp);
-    st += n * Staged<uint16_t>::kBytes;
-    Staged<uint16_t>::read_u16(st, hr);
-    st += n * Staged<uint16_t>::kBytes;
-    Staged<G>::read(st, rg);
-    st += n * Staged<G>::kBytes;
-    Staged<float>::read(st, rm);
-    st += n * Staged<float>::kBytes;
-    Staged<float>::read(st, rv);
-    void* out = meta.ptr[5][t];
-    this->template update_store8<true>(
-        static_cast<uint16_t*>(meta.ptr[0][t]), static_cast<uint16_t*>(meta.ptr[1][t]),
-        static_cast<float*>(meta.ptr[3][t]), static_cast<float*>(meta.ptr[4][t]),
-        out == nullptr ? OutKind::kNone : this->out_kind, out, i0, i1, hp, hr, rg, rm, rv);
   }
 };
 
@@ -384,13 +277,6 @@ void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, Out
     dispatch_float(gt, "grads", [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
-      if constexpr (std::is_same_v<P, float>) {
-        if (launch_config().split_access && launch_config().pipeline_stages > 0) {
-          launch_multi_tensor_tiled<5>(ptrs, numel, chunk_elems(), AdamTiles<G>{{s, ok, 1.0f}},
-                                       AdamOp<P, G, true>{s, ok, 1.0f});
-          return;
-        }
-      }
       if (launch_config().split_access) {
         launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G, true>{s, ok, 1.0f});
       } else {
@@ -406,10 +292,7 @@ void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKin
                  const std::vector<int64_t>& numel) {
   dispatch_float(gt, "grads", [&](auto g_tag) {
     using G = decltype(g_tag);
-    if (launch_config().split_access && launch_config().pipeline_stages > 0) {
-      launch_multi_tensor_tiled<6>(ptrs, numel, chunk_elems(), AdamRemTiles<G>{{s, ok, 1.0f}},
-                                   AdamRemOp<G, true>{s, ok, 1.0f});
-    } else if (launch_config().split_access) {
+    if (launch_config().split_access) {
       launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, true>{s, ok, 1.0f});
     } else {
       launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, false>{s, ok, 1.0f});

@@ -64,9 +64,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Adam kernels: each thread's 8 elements as two runs of 4 half a block step apart",
         py::arg("on"));
   m.def("split_access", &mpzero::split_access);
-  m.def("set_pipeline_stages", &mpzero::set_pipeline_stages,
-        "Adam kernels: tiles in flight through shared memory (0 off, 2..4)", py::arg("stages"));
-  m.def("pipeline_stages", &mpzero::pipeline_stages);
   m.def(
       "nccl_allocator_info",
       [] {

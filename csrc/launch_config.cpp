@@ -29,14 +29,6 @@ bool chunk_balancing() { return launch_config().balance_chunks; }
 void set_split_access(bool on) { launch_config().split_access = on; }
 bool split_access() { return launch_config().split_access; }
 
-void set_pipeline_stages(int64_t stages) {
-  TORCH_CHECK(stages >= 0 && stages <= 4,
-              "mpzero: pipeline stages must be 0 (off) or 2..4, got ", num(stages));
-  TORCH_CHECK(stages != 1, "mpzero: pipeline stages must be 0 (off) or 2..4, got 1");
-  launch_config().pipeline_stages = static_cast<int>(stages);
-}
-int64_t pipeline_stages() { return launch_config().pipeline_stages; }
-
 std::tuple<int64_t, int64_t, int64_t> get_launch_config() {
   const LaunchConfig& cfg = launch_config();
   return {cfg.threads, cfg.blocks_per_sm, cfg.chunk_elems};

@@ -108,6 +108,4 @@ void set_chunk_balancing(bool on);
 bool chunk_balancing();
 void set_split_access(bool on);
 bool split_access();
-void set_pipeline_stages(int64_t stages);
-int64_t pipeline_stages();
 }  // namespace mpzero

@@ -268,28 +268,20 @@ __device__ __forceinline__ void store1_out(OutKind k, void* base, int64_t i, flo
 // __launch_bounds__(512, 1): the Adam kernels use up to ~128 registers, one 512-thread block
 // per SM (16 warps, each thread with 8 x 16-byte loads in flight). A (256, 3) bound (80
 // registers, 24 warps) and L2 prefetching were measured slower (docs/kernels-notes.md).
-// Tensor holding chunk c of a launch (binary search over the chunk prefix sums; uniform
-// across the block, a few constant-cache reads).
-template <int DEPTH>
-__device__ __forceinline__ int tensor_of_chunk(const TensorListMeta<DEPTH>& meta, int64_t c) {
-  int lo = 0, hi = meta.ntensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (meta.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
 template <int DEPTH, class Op>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, int64_t chunk, Op op) {
   if (op.init()) return;  // uniform across the grid: a device flag said "change nothing"
   const int64_t total = meta.chunk_begin[meta.ntensors];
   for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
-    const int t = tensor_of_chunk(meta, c);
-    const int64_t begin = (c - meta.chunk_begin[t]) * chunk;
-    const int64_t end = min(begin + chunk, meta.numel[t]);
-    op.apply(meta, t, begin, end);
+    int lo = 0, hi = meta.ntensors - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (meta.chunk_begin[mid] <= c) lo = mid; else hi = mid - 1;
+    }
+    const int64_t begin = (c - meta.chunk_begin[lo]) * chunk;
+    const int64_t end = min(begin + chunk, meta.numel[lo]);
+    op.apply(meta, lo, begin, end);
   }
   op.finish();
 }
@@ -353,52 +345,29 @@ inline int device_sm_count() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
-// Resident blocks per SM of `kernel` at `threads` threads and `smem` bytes of dynamic shared
-// memory: the configured number, else the occupancy calculator's (cached per kernel, block
-// size and shared memory, so computed before any graph capture that follows a warm-up
-// call). Single-device assumption: same SM type everywhere.
-template <class Kernel>
-int blocks_per_sm_of(Kernel kernel, int threads, size_t smem) {
+template <int DEPTH, class Op>
+int blocks_per_sm_for(int threads) {
   const LaunchConfig& cfg = launch_config();
   if (cfg.blocks_per_sm > 0) return cfg.blocks_per_sm;
-  struct Entry {
-    const void* kernel;
-    int threads;
-    size_t smem;
-    int blocks;
-  };
-  static std::vector<Entry> cache;
-  const void* key = reinterpret_cast<const void*>(kernel);
-  for (const Entry& e : cache) {
-    if (e.kernel == key && e.threads == threads && e.smem == smem) return e.blocks;
+  // Cached per instantiation and block size (and thus computed before any graph capture
+  // that follows a warm-up call). Single-device assumption: same SM type everywhere.
+  static int cache[kMaxThreads / 32 + 1] = {};
+  int& n = cache[threads / 32];
+  if (n == 0) {
+    int k = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &k, multi_tensor_kernel<DEPTH, Op>, threads, 0));
+    n = k > 0 ? k : 1;
   }
-  int k = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k, kernel, threads, smem));
-  cache.push_back(Entry{key, threads, smem, k > 0 ? k : 1});
-  return cache.back().blocks;
+  return n;
 }
 
-// How one launch of a multi-tensor kernel is made: the kernel, its dynamic shared memory
-// and whatever extra argument it takes. The plain kernel needs none of that.
-template <int DEPTH, class Op>
-struct PlainKernel {
-  size_t smem() const { return 0; }
-  int blocks_per_sm(int threads) const {
-    return blocks_per_sm_of(multi_tensor_kernel<DEPTH, Op>, threads, 0);
-  }
-  void operator()(int grid, int threads, cudaStream_t stream, const TensorListMeta<DEPTH>& meta,
-                  int64_t chunk, const Op& op) const {
-    multi_tensor_kernel<DEPTH, Op><<<grid, threads, 0, stream>>>(meta, chunk, op);
-  }
-};
-
 // Cut the (non-empty) tensors into launches of at most kMaxT tensors.
-template <int DEPTH, class Op, class Kernel = PlainKernel<DEPTH, Op>>
-std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk,
-                                      const Kernel& kernel = Kernel{}) {
+template <int DEPTH, class Op>
+std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk) {
   constexpr int kMaxT = TensorListMeta<DEPTH>::kMaxT;
   const int threads = launch_config().threads;
-  const int64_t max_grid = (int64_t)device_sm_count() * kernel.blocks_per_sm(threads);
+  const int64_t max_grid = (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op>(threads);
   std::vector<LaunchPlan> plans;
   const int n = static_cast<int>(numel.size());
   for (int first = 0; first < n; first += kMaxT) {
@@ -412,11 +381,10 @@ std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t
 
 // Launch `op` over tensors given by DEPTH pointers each. `prepare(op, launch_index, plan)`
 // may adjust the op per launch (e.g. where a reduction writes its partial sums).
-template <int DEPTH, class Op, class Prepare, class Kernel = PlainKernel<DEPTH, Op>>
+template <int DEPTH, class Op, class Prepare>
 void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
                     const std::vector<int64_t>& numel, int64_t chunk,
-                    const std::vector<LaunchPlan>& plans, Op op, Prepare&& prepare,
-                    const Kernel& kernel = Kernel{}) {
+                    const std::vector<LaunchPlan>& plans, Op op, Prepare&& prepare) {
   const int threads = launch_config().threads;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (size_t li = 0; li < plans.size(); ++li) {
@@ -432,18 +400,17 @@ void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
     meta.chunk_begin[pl.count] = acc;
     meta.ntensors = pl.count;
     prepare(op, static_cast<int>(li), pl);
-    kernel(pl.grid, threads, stream, meta, chunk, op);
+    multi_tensor_kernel<DEPTH, Op><<<pl.grid, threads, 0, stream>>>(meta, chunk, op);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 // The longest block's share of a launch series with chunk size `chunk`, in elements:
 // sum over launches of ceil(chunks / grid) * chunk (the persistent grid's last round).
-template <int DEPTH, class Op, class Kernel>
-int64_t longest_block_elems(const std::vector<int64_t>& numel, int64_t chunk,
-                            const Kernel& kernel) {
+template <int DEPTH, class Op>
+int64_t longest_block_elems(const std::vector<int64_t>& numel, int64_t chunk) {
   int64_t elems = 0;
-  for (const LaunchPlan& pl : plan_launches<DEPTH, Op>(numel, chunk, kernel)) {
+  for (const LaunchPlan& pl : plan_launches<DEPTH, Op>(numel, chunk)) {
     elems += (pl.chunks + pl.grid - 1) / pl.grid * chunk;
   }
   return elems;
@@ -454,16 +421,15 @@ int64_t longest_block_elems(const std::vector<int64_t>& numel, int64_t chunk,
 // the least work. E.g. 4 x 16M elements on 132 blocks: chunk 16384 gives 4096 chunks, 32
 // rounds of which the last keeps 4 blocks busy (3.1% over an even split); 20480 gives
 // 3280 chunks in 25 rounds (0.7% over). Ties keep the configured chunk, then the larger.
-template <int DEPTH, class Op, class Kernel>
-int64_t balanced_chunk(const std::vector<int64_t>& numel, int64_t chunk, int64_t step,
-                       const Kernel& kernel) {
+template <int DEPTH, class Op>
+int64_t balanced_chunk(const std::vector<int64_t>& numel, int64_t chunk, int64_t step) {
   if (!launch_config().balance_chunks || numel.empty()) return chunk;
   int64_t best = chunk;
-  int64_t best_elems = longest_block_elems<DEPTH, Op>(numel, chunk, kernel);
+  int64_t best_elems = longest_block_elems<DEPTH, Op>(numel, chunk);
   const int64_t lo = std::max<int64_t>(step, chunk / 2 / step * step);
   for (int64_t c = 2 * chunk / step * step; c >= lo; c -= step) {
     if (c == chunk) continue;
-    const int64_t e = longest_block_elems<DEPTH, Op>(numel, c, kernel);
+    const int64_t e = longest_block_elems<DEPTH, Op>(numel, c);
     if (e < best_elems) {
       best = c;
       best_elems = e;
@@ -474,15 +440,13 @@ int64_t balanced_chunk(const std::vector<int64_t>& numel, int64_t chunk, int64_t
 
 // Launch an elementwise `op` (chunking does not change its results) over the tensors.
 // `step` is the block's vector step in elements (chunk sizes stay multiples of it).
-template <int DEPTH, class Op, class Kernel = PlainKernel<DEPTH, Op>>
+template <int DEPTH, class Op>
 void launch_multi_tensor(const std::vector<std::array<void*, DEPTH>>& ptrs,
                          const std::vector<int64_t>& numel, int64_t chunk, Op op,
-                         int64_t step = (int64_t)launch_config().threads * kVec,
-                         const Kernel& kernel = Kernel{}) {
-  chunk = balanced_chunk<DEPTH, Op>(numel, chunk, step, kernel);
-  auto plans = plan_launches<DEPTH, Op>(numel, chunk, kernel);
-  launch_planned<DEPTH>(ptrs, numel, chunk, plans, op, [](Op&, int, const LaunchPlan&) {},
-                        kernel);
+                         int64_t step = (int64_t)launch_config().threads * kVec) {
+  chunk = balanced_chunk<DEPTH, Op>(numel, chunk, step);
+  auto plans = plan_launches<DEPTH, Op>(numel, chunk);
+  launch_planned<DEPTH>(ptrs, numel, chunk, plans, op, [](Op&, int, const LaunchPlan&) {});
 }
 
 // Chunk size in elements, rounded to whole V-wide steps of a block (so that chunk starts

@@ -14,10 +14,6 @@ struct LaunchConfig {
                                 // half a block step apart (each load instruction of a
                                 // warp covers one contiguous span); false: 8 in a row
                                 // (0.8% slower on an H100, docs/kernels-notes.md)
-  int pipeline_stages = 0;      // Adam kernels: > 1 keeps the loads of the next
-                                // pipeline_stages - 1 block steps in flight in shared
-                                // memory while a step computes (multi_tensor_pipeline.cuh);
-                                // 0: registers only
 };
 LaunchConfig& launch_config();
 

@@ -24,8 +24,6 @@ __all__ = [
     "chunk_balancing",
     "set_split_access",
     "split_access",
-    "set_pipeline_stages",
-    "pipeline_stages",
     "cross_entropy_stats",
     "cross_entropy_backward",
     "bias_gelu_backward",
@@ -40,9 +38,6 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # compare both without code changes); see set_split_access().
 if os.environ.get("MPZERO_SPLIT_ACCESS", "") in ("0", "1"):
     _C.set_split_access(os.environ["MPZERO_SPLIT_ACCESS"] == "1")
-# MPZERO_PIPELINE_STAGES=0|2|3|4 likewise for the pipelined Adam kernels (set_pipeline_stages).
-if os.environ.get("MPZERO_PIPELINE_STAGES", "") in ("0", "2", "3", "4"):
-    _C.set_pipeline_stages(int(os.environ["MPZERO_PIPELINE_STAGES"]))
 
 
 def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
@@ -300,19 +295,6 @@ def set_split_access(on: bool) -> None:
 
 def split_access() -> bool:
     return bool(_C.split_access())
-
-
-def set_pipeline_stages(stages: int) -> None:
-    """Adam kernels (fp32 masters and bf16 + remainders, split access): with ``stages`` of
-    2 to 4, each thread keeps its loads of the next ``stages - 1`` block steps in flight
-    through shared memory (cp.async) while it computes one; 0 loads into registers only.
-    Fewer stages are used where the shared memory would not fit. Results do not depend on
-    it; only the time does."""
-    _C.set_pipeline_stages(int(stages))
-
-
-def pipeline_stages() -> int:
-    return int(_C.pipeline_stages())
 
 
 def gemm_gelu_available() -> bool:
