@@ -113,16 +113,6 @@ def case_mixed(n, iters):
     return _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters), 28
 
 
-def case_fp32_unbalanced(n, iters):
-    from mpzero.kernels import cuda as kc
-
-    kc.set_chunk_balancing(False)
-    try:
-        return case_fp32(n, iters)
-    finally:
-        kc.set_chunk_balancing(True)
-
-
 def _graph_of(fn):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -147,16 +137,10 @@ def _one_placement(n, iters, pad_mb):
     eager, _ = _time(fn, iters)
     graph_ms, _ = _time(_graph_of(fn).replay, iters)
     eager2, _ = _time(fn, iters)
-    from mpzero.kernels import cuda as kc
-
-    kc.set_chunk_balancing(False)
-    try:
-        unbalanced, _ = _time(fn, iters)
-    finally:
-        kc.set_chunk_balancing(True)
+    persistent, _ = _with(lambda n_, it: _time(fn, it), "persistent_grid", True)(n, iters)
     copy_ms, _ = _time(lambda: dst.copy_(src), iters)
     return dict(pad_mb=pad_mb, eager=eager, graph=graph_ms, eager2=eager2,
-                unbalanced=unbalanced, copy=copy_ms)
+                persistent=persistent, copy=copy_ms)
 
 
 def placements(n, iters, count, seed=0):
@@ -175,7 +159,7 @@ def placements(n, iters, count, seed=0):
         print(
             f"  placement {i} pad {row['pad_mb']:4d} MB: copy {tb['copy']:.3f} TB/s  "
             f"fp32 eager {tb['eager']:.3f}  graph {tb['graph']:.3f}  "
-            f"eager again {tb['eager2']:.3f}  unbalanced chunks {tb['unbalanced']:.3f} TB/s  "
+            f"eager again {tb['eager2']:.3f}  persistent grid {tb['persistent']:.3f} TB/s  "
             f"(eager / copy {tb['eager'] / tb['copy']:.3f})",
             flush=True,
         )
@@ -215,26 +199,37 @@ def case_remainders(n, iters):
     return _time(fn, iters), 28
 
 
-def _in_a_row(case):
-    """``case`` with the Adam kernels' older access pattern, 8 elements in a row per thread
-    (``kc.set_split_access(False)``; the default splits them into two runs of 4)."""
+def _with(case, knob: str, value):
+    """``case`` run with one kernel knob of ``mpzero.kernels.cuda`` set (``set_<knob>``),
+    restored afterwards."""
     def run(n, iters):
         from mpzero.kernels import cuda as kc
 
-        old = kc.split_access()
-        kc.set_split_access(False)
+        old = getattr(kc, knob)()
+        getattr(kc, "set_" + knob)(value)
         try:
             return case(n, iters)
         finally:
-            kc.set_split_access(old)
+            getattr(kc, "set_" + knob)(old)
     return run
+
+
+def _in_a_row(case):
+    """``case`` with the Adam kernels' older access pattern, 8 elements in a row per thread
+    (``kc.set_split_access(False)``; the default splits them into two runs of 4)."""
+    return _with(case, "split_access", False)
+
+
+def _persistent(case):
+    """``case`` on a persistent grid (SMs x resident blocks walking the chunks,
+    ``kc.set_persistent_grid(True)``; the default gives each chunk its own block)."""
+    return _with(case, "persistent_grid", True)
 
 
 CASES = [
     ("D2D copy (ceiling)", case_copy),
     ("torch AdamW fused fp32", case_torch_fused),
     ("mpzero fp32", case_fp32),
-    ("mpzero fp32, chunks unbalanced", case_fp32_unbalanced),
     ("mpzero mixed", case_mixed),
     ("mpzero capturable mixed", case_capturable),
     ("mpzero capturable mixed, graph", case_capturable_graph),
@@ -243,13 +238,17 @@ CASES = [
     ("mpzero mixed, 8 in a row", _in_a_row(case_mixed)),
     ("mpzero capturable mixed, graph, 8 in a row", _in_a_row(case_capturable_graph)),
     ("mpzero remainders, 8 in a row", _in_a_row(case_remainders)),
+    ("mpzero fp32, persistent grid", _persistent(case_fp32)),
+    ("mpzero mixed, persistent grid", _persistent(case_mixed)),
+    ("mpzero capturable mixed, graph, persistent grid", _persistent(case_capturable_graph)),
+    ("mpzero remainders, persistent grid", _persistent(case_remainders)),
 ]
 
 
 def sweep(n, iters):
     from mpzero.kernels import cuda as kc
 
-    configs = [(t, 0, c) for t in (256, 512) for c in (8192, 16384, 65536)]
+    configs = [(t, 0, c) for t in (256, 512) for c in (2048, 4096, 8192, 16384, 65536)]
     rows = []
     lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
     for cfg in configs:

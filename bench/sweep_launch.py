@@ -1,16 +1,16 @@
 """Launch configuration sweep of the fused Adam kernel on the real step's lists.
 
-    python bench/sweep_launch.py [--reps 20] [--threads 256,512 --blocks 0,1,2 --chunks ...]
+    python bench/sweep_launch.py [--reps 20] [--threads 256,512 --chunks ...]
+        [--grids block-per-chunk,persistent --blocks 0,1,2]
 
 For the bf16 default mode and remainders of ``bench/bench_step.py``, times ``step()``
-replayed as a CUDA graph (no host time in the figure) for each (threads, blocks per SM,
-chunk elements) and prints the table, fastest first. The kernels' defaults live in
-``csrc/multi_tensor_apply_config.h``.
+replayed as a CUDA graph (no host time in the figure) for each (grid, threads, chunk
+elements, and blocks per SM on a persistent grid) and prints the table, fastest first. The
+kernels' defaults live in ``csrc/multi_tensor_apply_config.h``.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import sys
@@ -29,8 +29,10 @@ def main() -> None:
     ap = bench_step.setup_args(__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", default="256,512")
-    ap.add_argument("--blocks", default="0,1,2")
-    ap.add_argument("--chunks", default="8192,16384,32768,65536")
+    ap.add_argument("--blocks", default="0,1,2", help="blocks per SM (persistent grid only; "
+                    "0: as many as fit)")
+    ap.add_argument("--chunks", default="2048,4096,8192,16384,65536")
+    ap.add_argument("--grids", default="block-per-chunk,persistent")
     args = ap.parse_args()
     bench_step.init_world(args, 29535)
     if args.device.type != "cuda":
@@ -42,13 +44,20 @@ def main() -> None:
                            store_param_remainders=True),
     }
     base = kcuda.get_launch_config()
+    grids = args.grids.split(",")
+    bad = set(grids) - {"block-per-chunk", "persistent"}
+    if bad:
+        raise SystemExit(f"--grids: unknown {sorted(bad)}; use block-per-chunk and/or persistent")
+    configs = [(g, t, b, c) for g in grids for t in map(int, args.threads.split(","))
+               for b in (map(int, args.blocks.split(",")) if g == "persistent" else [0])
+               for c in map(int, args.chunks.split(","))]
     rows = []
     for mode, kw in modes.items():
         def make(ps, m, kw=kw):
             return DistributedFusedAdam(ps, lr=1e-4, weight_decay=0.1, capturable=True,
                                         overlap_grad_sync=False, **kw)
-        for threads, blocks, chunk in itertools.product(
-                *(map(int, a.split(",")) for a in (args.threads, args.blocks, args.chunks))):
+        for grid, threads, blocks, chunk in configs:
+            kcuda.set_persistent_grid(grid == "persistent")
             kcuda.set_launch_config(threads, blocks, chunk)
             _p, _o, backward, replay = bench_step.prepare(args, bf16, make, graph=True)
             timer, times = bench_step._Timer(args), []
@@ -56,15 +65,16 @@ def main() -> None:
                 backward()
                 torch.cuda.synchronize()
                 times.append(timer(replay)[0] * 1e3)
-            rows.append((mode, threads, blocks, chunk, statistics.median(times)))
-            print(f"{mode:<11} threads {threads:>4} blocks/SM {blocks} chunk {chunk:>6}: "
-                  f"{rows[-1][-1]:.3f} ms", flush=True)
+            rows.append((mode, grid, threads, blocks, chunk, statistics.median(times)))
+            print(f"{mode:<11} {grid:<15} threads {threads:>4} blocks/SM {blocks} "
+                  f"chunk {chunk:>6}: {rows[-1][-1]:.3f} ms", flush=True)
             del _p, _o, backward, replay
             torch.cuda.empty_cache()
         kcuda.set_launch_config(*base)
+        kcuda.set_persistent_grid(False)
     print("\nfastest first:")
     for r in sorted(rows, key=lambda r: (r[0], r[-1])):
-        print(f"| {r[0]:<11} | {r[1]:>4} | {r[2]} | {r[3]:>6} | {r[4]:.3f} |")
+        print(f"| {r[0]:<11} | {r[1]:<15} | {r[2]:>4} | {r[3]} | {r[4]:>6} | {r[5]:.3f} |")
     dist.destroy_process_group()
 
 

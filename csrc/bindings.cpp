@@ -64,6 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Adam kernels: each thread's 8 elements as two runs of 4 half a block step apart",
         py::arg("on"));
   m.def("split_access", &mpzero::split_access);
+  m.def("set_persistent_grid", &mpzero::set_persistent_grid,
+        "Elementwise kernels: a persistent grid instead of one block per chunk", py::arg("on"));
+  m.def("persistent_grid", &mpzero::persistent_grid);
   m.def(
       "nccl_allocator_info",
       [] {

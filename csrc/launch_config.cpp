@@ -29,6 +29,9 @@ bool chunk_balancing() { return launch_config().balance_chunks; }
 void set_split_access(bool on) { launch_config().split_access = on; }
 bool split_access() { return launch_config().split_access; }
 
+void set_persistent_grid(bool on) { launch_config().persistent = on; }
+bool persistent_grid() { return launch_config().persistent; }
+
 std::tuple<int64_t, int64_t, int64_t> get_launch_config() {
   const LaunchConfig& cfg = launch_config();
   return {cfg.threads, cfg.blocks_per_sm, cfg.chunk_elems};

@@ -108,4 +108,6 @@ void set_chunk_balancing(bool on);
 bool chunk_balancing();
 void set_split_access(bool on);
 bool split_access();
+void set_persistent_grid(bool on);
+bool persistent_grid();
 }  // namespace mpzero

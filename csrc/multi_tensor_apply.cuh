@@ -5,9 +5,13 @@
 //     kMaxTensors<DEPTH> tensors travel in the kernel's parameter space (a struct passed by
 //     value as a __grid_constant__ parameter, < 4 KiB), together with the prefix sum of
 //     their chunk counts. More tensors than fit become several launches.
-//   * The grid is persistent: min(total chunks, SMs x blocks per SM) blocks, each walking
-//     chunks blockIdx.x, blockIdx.x + gridDim.x, ... and finding its tensor by a binary
-//     search over the prefix sums (uniform across the block, a few constant-cache reads).
+//   * Elementwise launches (Adam, casts) give each chunk its own block: grid = total chunks
+//     (launch_config().persistent = false, the default; one block per chunk measured 5%
+//     faster than a persistent grid on an H100, docs/kernels-notes.md). Reductions (the L2
+//     norm, one partial per block) and `persistent = true` use a persistent grid:
+//     min(total chunks, SMs x blocks per SM) blocks. Either way a block walks chunks
+//     blockIdx.x, blockIdx.x + gridDim.x, ... and finds its tensor by a binary search over
+//     the prefix sums (uniform across the block, a few constant-cache reads).
 //   * Inside a chunk, a thread handles 8 consecutive elements per step with 16-byte loads
 //     and stores when every pointer of that tensor is 16-byte aligned (chunk starts are
 //     multiples of 8 elements, so alignment carries over); the last < 8 elements, and
@@ -29,6 +33,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -362,12 +367,16 @@ int blocks_per_sm_for(int threads) {
   return n;
 }
 
-// Cut the (non-empty) tensors into launches of at most kMaxT tensors.
+// Cut the (non-empty) tensors into launches of at most kMaxT tensors. `persistent`: at most
+// SMs x resident blocks per launch, else one block per chunk.
 template <int DEPTH, class Op>
-std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk) {
+std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk,
+                                      bool persistent = true) {
   constexpr int kMaxT = TensorListMeta<DEPTH>::kMaxT;
   const int threads = launch_config().threads;
-  const int64_t max_grid = (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op>(threads);
+  const int64_t max_grid =
+      persistent ? (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op>(threads)
+                 : std::numeric_limits<int>::max();
   std::vector<LaunchPlan> plans;
   const int n = static_cast<int>(numel.size());
   for (int first = 0; first < n; first += kMaxT) {
@@ -440,12 +449,14 @@ int64_t balanced_chunk(const std::vector<int64_t>& numel, int64_t chunk, int64_t
 
 // Launch an elementwise `op` (chunking does not change its results) over the tensors.
 // `step` is the block's vector step in elements (chunk sizes stay multiples of it).
+// One block per chunk unless launch_config().persistent (then balanced chunks).
 template <int DEPTH, class Op>
 void launch_multi_tensor(const std::vector<std::array<void*, DEPTH>>& ptrs,
                          const std::vector<int64_t>& numel, int64_t chunk, Op op,
                          int64_t step = (int64_t)launch_config().threads * kVec) {
-  chunk = balanced_chunk<DEPTH, Op>(numel, chunk, step);
-  auto plans = plan_launches<DEPTH, Op>(numel, chunk);
+  const bool persistent = launch_config().persistent;
+  if (persistent) chunk = balanced_chunk<DEPTH, Op>(numel, chunk, step);
+  auto plans = plan_launches<DEPTH, Op>(numel, chunk, persistent);
   launch_planned<DEPTH>(ptrs, numel, chunk, plans, op, [](Op&, int, const LaunchPlan&) {});
 }
 

@@ -8,12 +8,16 @@ struct LaunchConfig {
   int threads = 512;            // threads per block (<= kMaxThreads)
   int blocks_per_sm = 0;        // 0: as many as the occupancy calculator allows
   int64_t chunk_elems = 16384;  // elements per chunk (rounded to whole block steps)
-  bool balance_chunks = true;   // elementwise launches: pick the chunk near chunk_elems
-                                // that spreads the work most evenly over the grid
+  bool balance_chunks = true;   // elementwise launches on a persistent grid: pick the
+                                // chunk near chunk_elems that spreads the work most
+                                // evenly over the grid
   bool split_access = true;     // Adam kernels: a thread's 8 elements are two runs of 4,
                                 // half a block step apart (each load instruction of a
                                 // warp covers one contiguous span); false: 8 in a row
                                 // (0.8% slower on an H100, docs/kernels-notes.md)
+  bool persistent = false;      // elementwise launches: a persistent grid (SMs x resident
+                                // blocks walking the chunks) instead of one block per
+                                // chunk (5% slower on an H100, docs/kernels-notes.md)
 };
 LaunchConfig& launch_config();
 

@@ -474,24 +474,54 @@ def test_launch_config_variants_agree():
         kc.set_launch_config(*old)
 
 
+def _elementwise_outputs(sizes, seed=4242):
+    """Adam (fp32 masters, bf16 grads and output), the remainder kernel and a copy over
+    ``sizes``, from the same seeded inputs: every output, for bit comparisons."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    f32, b16 = torch.float32, torch.bfloat16
+    p, g, m, v, out = _adam_inputs(sizes, f32, b16, b16, gen)
+    kernels.adam(p, g, m, v, out, **BASE)
+    rem = _rem_inputs(sizes, b16, b16, gen)
+    kernels.adam_remainders(*rem, **BASE)
+    raw = [_poison(n, torch.float32) for n in sizes]
+    kernels.multi_copy(p, raw)
+    return p + m + v + out + [t for lst in rem for t in lst] + raw
+
+
 def test_chunk_balancing_changes_no_bits():
-    """Balancing picks another chunk size (sizes chosen so that it does: 4 x 1M elements
-    on one block per SM); the elementwise kernels must produce the same bits either way."""
+    """Balancing (persistent grid only) picks another chunk size (sizes chosen so that it
+    does: 4 x 1M elements on one block per SM); the elementwise kernels must produce the
+    same bits either way."""
     assert kc.chunk_balancing()
     sizes = [2**20 + 13, 2**20, 2**20 - 8, 3 * 2**18 + 1]
     outs = []
     try:
+        kc.set_persistent_grid(True)
         for on in (True, False):
             kc.set_chunk_balancing(on)
-            gen = torch.Generator(device=DEV).manual_seed(4242)
-            f32, b16 = torch.float32, torch.bfloat16
-            p, g, m, v, out = _adam_inputs(sizes, f32, b16, b16, gen)
-            kernels.adam(p, g, m, v, out, **BASE)
-            raw = [_poison(n, torch.float32) for n in sizes]
-            kernels.multi_copy(p, raw)
-            outs.append(p + m + v + out + raw)
+            outs.append(_elementwise_outputs(sizes))
     finally:
         kc.set_chunk_balancing(True)
+        kc.set_persistent_grid(False)
+    for a, b in zip(*outs):
+        assert not torch.isnan(a).any()
+        assert _same_bits(a, b)
+
+
+def test_persistent_grid_changes_no_bits():
+    """One block per chunk (the default) and a persistent grid compute the same bits, for
+    sizes around the chunk and block step and many tensors (more than one launch holds)."""
+    assert not kc.persistent_grid()
+    sizes = [1, 7, 4095, 4096, 4097, 16384, 16385, 70001, 2**20 + 13]
+    sizes += [5000 + i for i in range(60)]
+    outs = []
+    try:
+        for on in (False, True):
+            kc.set_persistent_grid(on)
+            assert kc.persistent_grid() is on
+            outs.append(_elementwise_outputs(sizes))
+    finally:
+        kc.set_persistent_grid(False)
     for a, b in zip(*outs):
         assert not torch.isnan(a).any()
         assert _same_bits(a, b)
