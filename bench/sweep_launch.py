@@ -4,7 +4,8 @@
         [--grids block-per-chunk,persistent --blocks 0,1,2]
 
 For the bf16 default mode and remainders of ``bench/bench_step.py``, times ``step()``
-replayed as a CUDA graph (no host time in the figure) for each (grid, threads, chunk
+(default: replayed as a CUDA graph, no host time in the figure; remainders, which cannot
+be captured: eager, host time included) for each (grid, threads, chunk
 elements, and blocks per SM on a persistent grid) and prints the table, fastest first. The
 kernels' defaults live in ``csrc/multi_tensor_apply_config.h``.
 """
@@ -53,13 +54,15 @@ def main() -> None:
                for c in map(int, args.chunks.split(","))]
     rows = []
     for mode, kw in modes.items():
-        def make(ps, m, kw=kw):
-            return DistributedFusedAdam(ps, lr=1e-4, weight_decay=0.1, capturable=True,
+        graph = mode != "remainders"  # remainders are not capturable: eager steps
+
+        def make(ps, m, kw=kw, graph=graph):
+            return DistributedFusedAdam(ps, lr=1e-4, weight_decay=0.1, capturable=graph,
                                         overlap_grad_sync=False, **kw)
         for grid, threads, blocks, chunk in configs:
             kcuda.set_persistent_grid(grid == "persistent")
             kcuda.set_launch_config(threads, blocks, chunk)
-            _p, _o, backward, replay = bench_step.prepare(args, bf16, make, graph=True)
+            _p, _o, backward, replay = bench_step.prepare(args, bf16, make, graph=graph)
             timer, times = bench_step._Timer(args), []
             for _ in range(args.reps):
                 backward()
