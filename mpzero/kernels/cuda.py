@@ -271,8 +271,10 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
 
 def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:
     """Tuning knob for benchmarks and tests. ``threads``/``chunk_elems``: 0 keeps the current
-    value; ``blocks_per_sm``: -1 keeps it, 0 means as many as the occupancy calculator allows.
-    Defaults (512, 0, 16384) were the fastest measured (docs/kernels-notes.md)."""
+    value; ``blocks_per_sm`` (persistent grids only: the L2 norm, and the elementwise
+    kernels after ``set_persistent_grid(True)``): -1 keeps it, 0 means as many as the
+    occupancy calculator allows. Defaults (512, 0, 16384) were the fastest measured
+    (docs/kernels-notes.md)."""
     _C.set_launch_config(int(threads), int(blocks_per_sm), int(chunk_elems))
 
 
