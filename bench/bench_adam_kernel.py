@@ -137,7 +137,7 @@ def _one_placement(n, iters, pad_mb):
     eager, _ = _time(fn, iters)
     graph_ms, _ = _time(_graph_of(fn).replay, iters)
     eager2, _ = _time(fn, iters)
-    persistent, _ = _with(lambda n_, it: _time(fn, it), "persistent_grid", True)(n, iters)
+    persistent, _ = _persistent(lambda _n, it: _time(fn, it))(n, iters)
     copy_ms, _ = _time(lambda: dst.copy_(src), iters)
     return dict(pad_mb=pad_mb, eager=eager, graph=graph_ms, eager2=eager2,
                 persistent=persistent, copy=copy_ms)

@@ -17,7 +17,7 @@ struct LaunchConfig {
                                 // (0.8% slower on an H100, docs/kernels-notes.md)
   bool persistent = false;      // elementwise launches: a persistent grid (SMs x resident
                                 // blocks walking the chunks) instead of one block per
-                                // chunk (5% slower on an H100, docs/kernels-notes.md)
+                                // chunk (4-5% slower on an H100, docs/kernels-notes.md)
 };
 LaunchConfig& launch_config();
 

@@ -307,7 +307,7 @@ def split_access() -> bool:
 
 def set_persistent_grid(on: bool) -> None:
     """Elementwise kernels (Adam, casts and copies): a persistent grid (SMs x resident
-    blocks, each walking many chunks) instead of one block per chunk (the default, 5%
+    blocks, each walking many chunks) instead of one block per chunk (the default, 4-5%
     faster on an H100: docs/kernels-notes.md). The L2 norm always uses a persistent grid.
     Results do not depend on it; only the time does."""
     _C.set_persistent_grid(bool(on))

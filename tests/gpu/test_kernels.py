@@ -495,6 +495,7 @@ def test_chunk_balancing_changes_no_bits():
     assert kc.chunk_balancing()
     sizes = [2**20 + 13, 2**20, 2**20 - 8, 3 * 2**18 + 1]
     outs = []
+    persistent = kc.persistent_grid()
     try:
         kc.set_persistent_grid(True)
         for on in (True, False):
@@ -502,7 +503,7 @@ def test_chunk_balancing_changes_no_bits():
             outs.append(_elementwise_outputs(sizes))
     finally:
         kc.set_chunk_balancing(True)
-        kc.set_persistent_grid(False)
+        kc.set_persistent_grid(persistent)
     for a, b in zip(*outs):
         assert not torch.isnan(a).any()
         assert _same_bits(a, b)
