@@ -47,6 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dx = gelu'(x + bias) * dy and dbias = column sums of dx, in one read of x and dy",
         py::arg("x"), py::arg("bias"), py::arg("dy"), py::arg("dx"), py::arg("dbias"),
         py::arg("tanh_approx"));
+  m.def("heads_grad", &mpzero::heads_grad,
+        "dy [B*T, H*n*D] from n head gradients [B, H, T, D], and dy's column sums into dbias",
+        py::arg("grads"), py::arg("dy"), py::arg("dbias"));
   m.def("gemm_bias_gelu", &mpzero::gemm_bias_gelu,
         "cuBLASLt GEMM with bias + GELU (tanh) epilogue: (gelu(x w^T + b), x w^T + b)",
         py::arg("x"), py::arg("weight"), py::arg("bias"));

@@ -94,6 +94,12 @@ void cross_entropy_backward(const at::Tensor& logits, const at::Tensor& target,
 void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& dy,
                         at::Tensor dx, at::Tensor dbias, bool tanh_approx);
 
+// The gradient of a fused projection split into heads (see heads_grad.cu): grads are n
+// [B, H, T, D] tensors; dy [B*T, H*n*D] gets dy[b*T + t, (h*n + j)*D + d] = grads[j][b, h, t, d]
+// and dbias, where given, dy's column sums.
+void heads_grad(const std::vector<at::Tensor>& grads, at::Tensor dy,
+                std::optional<at::Tensor> dbias);
+
 // GELU (tanh approximation) in cuBLASLt's GEMM epilogue (see gemm_gelu.cpp), row-major:
 // x [M, K], weight [N, K], bias [N] -> (y = gelu(z), z = x weight^T + bias), both [M, N].
 std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at::Tensor& weight,

@@ -151,4 +151,5 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                          getattr(args, "gradient_accumulation_fusion", False)),
                      bias_gelu_fusion=bool(getattr(args, "bias_gelu_fusion", False)),
                      gelu_gemm_fusion=gelu_gemm,
-                     gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)))
+                     gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)),
+                     heads_grad_fusion=bool(getattr(args, "heads_grad_fusion", True)))

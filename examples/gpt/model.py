@@ -78,6 +78,10 @@ class GPTConfig:
     # (else it is made again there, one [tokens, ffn] activation less per layer).
     gelu_gemm_fusion: bool = False
     gelu_gemm_keep_output: bool = True
+    # The QKV (and GQA's Q, KV) projections' backward takes the heads' gradients in one
+    # pass that also makes the bias gradient (mpzero.tensor_parallel.heads; where the
+    # activations and weights share a dtype); the same function.
+    heads_grad_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -214,6 +218,7 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_backend = ATTENTION_BACKENDS.get(cfg.attention_backend)  # None: auto
         self.selective_recompute = cfg.recompute_granularity == "selective"
         self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
+        self.heads_grad_fusion = cfg.heads_grad_fusion
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
                   gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
         init = tp.init_method_normal(cfg.init_std)
@@ -239,21 +244,23 @@ class CausalSelfAttention(nn.Module):
             h, h, bias=cfg.linear_bias, input_is_parallel=True, tp_group=tp_group,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers), **sp)
 
+    def _heads(self, linear: tp.ColumnParallelLinear, x: torch.Tensor, n: int):
+        """``linear(x)`` (``(B, T, H/tp * n * hd)``, head-major) as ``n`` tensors
+        ``(B, H/tp, T, hd)``."""
+        if self.heads_grad_fusion:
+            return linear.forward_heads(x, n, self.head_dim)
+        y, _ = linear(x)
+        return tp.split_heads(y, n, self.head_dim)
+
     def _qkv(self, x: torch.Tensor):
         if not self.gqa:
-            qkv, _ = self.qkv(x)  # (B, T, 3*h/tp), head-major
-            B, T = qkv.shape[:2]
-            qkv = qkv.view(B, T, self.local_heads, 3, self.head_dim)
-            return qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, nh/tp, T, hd)
-        q, _ = self.q(x)  # (B, T, nh/tp * hd)
-        B, T = q.shape[:2]
-        q = q.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
+            return self._heads(self.qkv, x, 3)  # each (B, nh/tp, T, hd)
+        (q,) = self._heads(self.q, x, 1)  # (B, nh/tp, T, hd)
         if self.kv_replicated:
             kv = self.kv(x, self.group)  # (B, T, 2*hd): this rank's group only
+            k, v = tp.split_heads(kv, 2, self.head_dim)  # each (B, 1, T, hd)
         else:
-            kv, _ = self.kv(x)  # (B, T, 2*G/tp*hd)
-        kv = kv.view(B, T, -1, 2, self.head_dim)
-        k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, G/tp or 1, T, hd)
+            k, v = self._heads(self.kv, x, 2)  # each (B, G/tp, T, hd)
         return q, k, v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--gelu-gemm-keep-output", action=argparse.BooleanOptionalAction,
                    default=True, help="with --gelu-gemm-fusion: save the GELU's output for "
                    "the backward (else made again there: less memory, a bit slower)")
+    g.add_argument("--heads-grad-fusion", action=argparse.BooleanOptionalAction, default=True,
+                   help="the QKV projections' backward takes the heads' gradients and makes "
+                        "the bias gradient in one pass (where activations and weights share a "
+                        "dtype); the same function")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
            "fused_cross_entropy_available", "bias_gelu_backward", "gemm_gelu_available",
-           "gemm_bias_gelu", "gemm_dgelu"]
+           "gemm_bias_gelu", "gemm_dgelu", "heads_grad"]
 
 Scalar = float | int | torch.Tensor
 
@@ -290,6 +290,38 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
     if _bias_gelu_on_cuda(x, bias, dy):
         return _cuda.bias_gelu_backward(x, bias, dy, approximate == "tanh")
     return reference.bias_gelu_backward(x, bias, dy, approximate)
+
+
+def _heads_grad_on_cuda(grads: Sequence[torch.Tensor]) -> bool:
+    """The CUDA heads-gradient kernel takes these: 1-4 CUDA tensors [B, H, T, D] of one
+    shape and dtype (fp32/fp16/bf16), D a multiple of 8 and contiguous, the other strides
+    multiples of 8 elements, 16-byte aligned."""
+    if _cuda is None or not grads or len(grads) > 4 or not _cuda.heads_grad_available():
+        return False
+    g0 = grads[0]
+    if not g0.is_cuda or g0.dim() != 4 or g0.dtype not in _CE_DTYPES or g0.shape[3] % 8:
+        return False
+    return all(g.is_cuda and g.shape == g0.shape and g.dtype == g0.dtype
+               and g.device == g0.device and g.stride(3) == 1
+               and all(s % 8 == 0 for s in g.stride()[:3]) and g.data_ptr() % 16 == 0
+               for g in grads)
+
+
+def heads_grad(grads: Sequence[torch.Tensor],
+               with_bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient of a fused projection whose output ``y [B, T, H*n*D]`` was split
+    into ``n`` head tensors ``y.view(B, T, H, n, D)[:, :, :, j].transpose(1, 2)``
+    (``[B, H, T, D]``, e.g. Q, K and V): from their gradients ``grads`` (``n`` tensors
+    ``[B, H, T, D]``, any strides), ``(dy, dbias)`` with ``dy [B*T, H*n*D]`` the
+    gradient of ``y`` and ``dbias`` its column sums (the bias gradient; ``None``
+    unless ``with_bias``), in one read of the gradients on CUDA; else
+    :func:`mpzero.kernels.reference.heads_grad`."""
+    if not grads or any(g.dim() != 4 or g.shape != grads[0].shape for g in grads):
+        raise ValueError(f"heads_grad: grads must be 4-D tensors [B, H, T, D] of one shape, "
+                         f"got {[tuple(g.shape) for g in grads]}")
+    if _heads_grad_on_cuda(grads):
+        return _cuda.heads_grad(grads, with_bias)
+    return reference.heads_grad(grads, with_bias)
 
 
 _GEMM_DTYPES = (torch.float16, torch.bfloat16)

@@ -29,6 +29,8 @@ __all__ = [
     "cross_entropy_stats",
     "cross_entropy_backward",
     "bias_gelu_backward",
+    "heads_grad_available",
+    "heads_grad",
     "gemm_gelu_available",
     "gemm_bias_gelu",
     "gemm_dgelu",
@@ -267,6 +269,20 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
     dx, dbias = torch.empty_like(x), torch.empty_like(bias)
     _C.bias_gelu_backward(x, bias, dy, dx, dbias, bool(tanh_approx))
     return dx, dbias
+
+
+def heads_grad_available() -> bool:
+    """The built extension has the heads-gradient kernel (an older build may not)."""
+    return hasattr(_C, "heads_grad")
+
+
+def heads_grad(grads: Sequence[torch.Tensor],
+               with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    B, H, T, D = grads[0].shape
+    dy = torch.empty((B * T, H * len(grads) * D), dtype=grads[0].dtype, device=grads[0].device)
+    dbias = dy.new_empty(dy.shape[1]) if with_bias else None
+    _C.heads_grad(list(grads), dy, dbias)
+    return dy, dbias
 
 
 def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:

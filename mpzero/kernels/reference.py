@@ -17,7 +17,7 @@ import torch
 
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
-__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu",
+__all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu", "heads_grad",
            "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
@@ -276,6 +276,18 @@ def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
     h = x.float() + bias.float()
     dx = torch.ops.aten.gelu_backward(dy.float(), h, approximate=approximate).to(x.dtype)
     return dx, dx.float().sum(0).to(bias.dtype)
+
+
+def heads_grad(grads: Sequence[torch.Tensor],
+               with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient of a fused projection split into heads: ``grads`` are ``n`` tensors
+    ``[B, H, T, D]`` (the gradients of ``y.view(B, T, H, n, D)[:, :, :, j]`` seen as
+    ``[B, H, T, D]``); returns ``dy [B*T, H*n*D]`` (``dy[b*T + t, (h*n + j)*D + d] =
+    grads[j][b, h, t, d]``) and, ``with_bias``, its column sums (fp32 sums, or wider for
+    fp64, rounded to the gradients' dtype), else ``None``."""
+    B, H, T, D = grads[0].shape
+    dy = torch.stack(list(grads), dim=3).permute(0, 2, 1, 3, 4).reshape(B * T, -1)
+    return dy, (_wide(dy).sum(0).to(dy.dtype) if with_bias else None)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

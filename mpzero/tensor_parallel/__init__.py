@@ -16,6 +16,7 @@ marked with :func:`mark_sequence_parallel` and wrapped in
 from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpzero.tensor_parallel.gelu_mlp import gelu_mlp, parallel_gelu_mlp
+from mpzero.tensor_parallel.heads import linear_heads, split_heads
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -55,6 +56,8 @@ __all__ = [
     "bias_gelu",
     "gelu_mlp",
     "parallel_gelu_mlp",
+    "linear_heads",
+    "split_heads",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",

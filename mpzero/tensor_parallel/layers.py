@@ -30,6 +30,7 @@ from mpzero.tensor_parallel.grad_accumulation import (
     OPTIMIZER_ATTRS,
     linear_with_grad_accumulation,
 )
+from mpzero.tensor_parallel.heads import linear_heads, split_heads
 from mpzero.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -181,6 +182,22 @@ class ColumnParallelLinear(_TensorParallelModule):
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)  # (..., out)
         return out, (self.bias if self.skip_bias_add else None)
+
+    def forward_heads(self, x: torch.Tensor, num_splits: int,
+                      head_dim: int) -> tuple[torch.Tensor, ...]:
+        """``forward(x)``'s output ``[B, T, out/tp]`` split into attention heads: ``n =
+        num_splits`` views ``[B, H, T, D]`` (part ``j`` of each of this rank's heads, whose
+        ``n * D`` features lie together, Megatron's order), e.g. ``q, k, v``. Where it
+        can (see :func:`mpzero.tensor_parallel.heads.linear_heads`) the backward makes
+        the output's and the bias' gradients in one pass over the heads' gradients."""
+        if self.skip_bias_add:
+            raise ValueError("forward_heads: skip_bias_add=True returns the bias unadded; "
+                             "split forward()'s output instead")
+        if self.gather_output:
+            out, _ = self.forward(x)
+            return split_heads(out, num_splits, head_dim)
+        return linear_heads(self.parallel_input(x), self.weight, self.bias, num_splits,
+                            head_dim, self.gradient_accumulation_fusion)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
