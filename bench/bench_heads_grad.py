@@ -51,7 +51,7 @@ def rows(B: int, T: int, H: int, D: int, iters: int, device: str = "cuda",
             t = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
             grads.append(t.transpose(1, 2) if layout == "bthd" else t.transpose(1, 2).contiguous())
         compiled = torch.compile(_unfused, backend=backend)
-        ms = time_ms(lambda g=grads: compiled(*g), iters, device)
+        ms = time_ms(lambda g=grads, f=compiled: f(*g), iters, device)
         out.append((f"{layout}: compiled stack + copy + sum", ms, gbytes / ms))
         ms = time_ms(lambda g=grads: _unfused(*g), iters, device)
         out.append((f"{layout}: eager stack + copy + sum", ms, gbytes / ms))
