@@ -92,6 +92,9 @@ def _attention_backends():
     assert arg_checks.model_config(args, 256).attention_backend == "cudnn"
     default = arg_checks.model_config(pretrain_gpt.parse_args([]), 256)
     assert default.attention_backend == "auto"
+    assert default.heads_grad_fusion  # --heads-grad-fusion is on unless turned off
+    off = arg_checks.model_config(pretrain_gpt.parse_args(["--no-heads-grad-fusion"]), 256)
+    assert not off.heads_grad_fusion
     ps.destroy_model_parallel()
     return True
 

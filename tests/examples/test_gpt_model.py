@@ -304,6 +304,24 @@ def test_gelu_gemm_fusion_is_the_same_model(keep):
                            gelu_gemm_keep_output=keep)
 
 
+@pytest.mark.parametrize("groups", [None, 2])
+def test_heads_grad_fusion_is_the_same_model(groups):
+    """``heads_grad_fusion`` (``--heads-grad-fusion``, on by default): the QKV (or Q and
+    KV) projections' one-pass backward gives the unfused model's loss and gradients; the
+    projections' outputs come from the fused function exactly when it is on."""
+    def check(model, fusion):
+        attn = model.blocks[0].attn
+        projections = [attn.qkv] if groups is None else [attn.q, attn.kv]
+        with torch.no_grad():  # nonzero biases, so a wrong bias gradient would show
+            for k, lin in enumerate(projections):
+                lin.bias.normal_(generator=torch.Generator().manual_seed(2 + k))
+        x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
+        names = {type(t.grad_fn).__name__ for t in attn._qkv(x)}
+        assert (names == {"_LinearHeadsBackward"}) == fusion, names
+
+    _same_model_either_way(check, option="heads_grad_fusion", num_query_groups=groups)
+
+
 def test_gelu_gemm_fusion_needs_tanh_gelu():
     with pytest.raises(ValueError, match="openai_gelu"):
         GPTConfig(**CFG, gelu_gemm_fusion=True)
