@@ -286,7 +286,7 @@ def heads_grad(grads: Sequence[torch.Tensor],
     grads[j][b, h, t, d]``) and, ``with_bias``, its column sums (fp32 sums, or wider for
     fp64, rounded to the gradients' dtype), else ``None``."""
     B, H, T, D = grads[0].shape
-    dy = torch.stack(list(grads), dim=3).permute(0, 2, 1, 3, 4).reshape(B * T, -1)
+    dy = torch.stack(list(grads), dim=3).permute(0, 2, 1, 3, 4).reshape(B * T, H * len(grads) * D)
     return dy, (_wide(dy).sum(0).to(dy.dtype) if with_bias else None)
 
 

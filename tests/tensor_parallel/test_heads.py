@@ -96,6 +96,11 @@ def test_reference_kernel_layout_with_strided_gradients():
     assert torch.equal(dy2, dy) and torch.equal(db2, dbias)
 
 
+def test_no_tokens():
+    dy, dbias = kernels.heads_grad([torch.zeros(2, 3, 0, 8) for _ in range(3)])
+    assert dy.shape == (0, 72) and torch.equal(dbias, torch.zeros(72))
+
+
 def test_gradient_accumulation_fusion_adds_into_main_grad():
     """With the optimizer's main_grad, three backward passes add their weight gradients
     into it in fp32; the weight gets no .grad; main_grad_ready gets a zero gradient."""
