@@ -33,8 +33,7 @@ __global__ void __launch_bounds__(kThreads)
                               float* __restrict__ partial, int64_t R, int64_t C,
                               int64_t stride, int64_t rows_per_chunk, bool tanh_approx) {
   const int64_t c0 = colsum::column();
-  const int64_t r_begin = (int64_t)blockIdx.y * rows_per_chunk;
-  const int64_t r_end = min(R, r_begin + rows_per_chunk);
+  const colsum::Rows rows = colsum::chunk_rows(R, rows_per_chunk);
   float acc[kVec];
 #pragma unroll
   for (int k = 0; k < kVec; ++k) acc[k] = 0.0f;
@@ -42,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
     float b[kVec];
     load8(bias + c0, b);
 #pragma unroll 2
-    for (int64_t r = r_begin + colsum::lane(); r < r_end; r += kRowLanes) {
+    for (int64_t r = rows.begin + colsum::lane(); r < rows.end; r += kRowLanes) {
       float xv[kVec], g[kVec];
       load8(x + r * stride + c0, xv);
       load8(dy + r * stride + c0, g);

@@ -28,6 +28,15 @@ __device__ __forceinline__ int64_t column() {
 }
 __device__ __forceinline__ int lane() { return threadIdx.x / kColThreads; }
 
+// The rows [begin, end) of this block's chunk (blockIdx.y) of R rows.
+struct Rows {
+  int64_t begin, end;
+};
+__device__ __forceinline__ Rows chunk_rows(int64_t R, int64_t rows_per_chunk) {
+  const int64_t begin = (int64_t)blockIdx.y * rows_per_chunk;
+  return {begin, min(R, begin + rows_per_chunk)};
+}
+
 // The block's sums over its lanes -> row blockIdx.y of partial [chunks, C].
 __device__ __forceinline__ void write_partial(const float (&acc)[kVec], float* partial,
                                               int64_t C) {

@@ -30,13 +30,12 @@ __global__ void __launch_bounds__(kThreads)
                       T* __restrict__ dy, float* __restrict__ partial, int64_t R, int64_t C,
                       int64_t rows_per_chunk) {
   const int64_t c0 = colsum::column();
-  const int64_t r_begin = (int64_t)blockIdx.y * rows_per_chunk;
-  const int64_t r_end = min(R, r_begin + rows_per_chunk);
+  const colsum::Rows rows = colsum::chunk_rows(R, rows_per_chunk);
   float acc[kVec];
 #pragma unroll
   for (int k = 0; k < kVec; ++k) acc[k] = 0.0f;
-  int64_t r = r_begin + colsum::lane();
-  if (c0 < C && r < r_end) {  // D is a multiple of kVec: 8 columns lie in one head's row
+  int64_t r = rows.begin + colsum::lane();
+  if (c0 < C && r < rows.end) {  // D is a multiple of kVec: 8 columns lie in one head's row
     const int64_t h = c0 / (n * D), j = (c0 / D) % n, d = c0 % D;
     // Constant indices only: src stays in the parameter space (no local copy).
     const void* ptr = src.ptr[0];
@@ -47,7 +46,7 @@ __global__ void __launch_bounds__(kThreads)
     const T* base = static_cast<const T*>(ptr) + h * sh + d;
     int64_t b = r / T_len, t = r % T_len;
 #pragma unroll 4
-    for (; r < r_end; r += kRowLanes) {
+    for (; r < rows.end; r += kRowLanes) {
       float v[kVec];
       load8(base + b * sb + t * st, v);
       store8(dy + r * C + c0, v);
