@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
         g[k] = v;
         acc[k] += to_float(from_float<T>(v));  // the rounded value, as dx holds it
       }
-      store8(dx + r * stride + c0, g);
+      store8_wide(dx + r * stride + c0, g);
     }
   }
   colsum::write_partial(acc, partial, C);

@@ -11,6 +11,8 @@
 #include "column_sums.cuh"
 #include "mpzero.h"
 
+#include <type_traits>
+
 namespace mpzero {
 namespace {
 
@@ -18,11 +20,55 @@ using colsum::kRowLanes;
 using colsum::kThreads;
 
 constexpr int kMaxHeadsSrc = 4;
+constexpr int kInFlight = 4;  // rows a thread loads before it stores the first
 
 struct HeadsSrc {  // src_j's base pointer and its strides over B, H, T (elements)
   const void* ptr[kMaxHeadsSrc];
   int64_t sb[kMaxHeadsSrc], sh[kMaxHeadsSrc], st[kMaxHeadsSrc];
 };
+
+// 8 elements of T as 16-byte words (one for 16-bit types, two for fp32), stored with
+// stg128 (which also keeps the loads of a step before its first store).
+template <typename T>
+struct Raw8 {
+  uint4 w[sizeof(T) / 2];
+};
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  Raw8<T> x;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = vload(reinterpret_cast<const uint4*>(p) + i);
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ void store_raw8(T* p, const Raw8<T>& x) {
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) stg128(reinterpret_cast<uint4*>(p) + i, x.w[i]);
+}
+template <typename T>
+__device__ __forceinline__ void raw8_to_float(const Raw8<T>& x, float (&v)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      v[4 * i] = __uint_as_float(x.w[i].x);
+      v[4 * i + 1] = __uint_as_float(x.w[i].y);
+      v[4 * i + 2] = __uint_as_float(x.w[i].z);
+      v[4 * i + 3] = __uint_as_float(x.w[i].w);
+    }
+  } else {
+    const uint32_t w[4] = {x.w[0].x, x.w[0].y, x.w[0].z, x.w[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      } else {
+        v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
+        v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+      }
+    }
+  }
+}
 
 template <typename T, bool kBias>
 __global__ void __launch_bounds__(kThreads)
@@ -44,17 +90,32 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 1; k < kMaxHeadsSrc; ++k)
       if (k == j) ptr = src.ptr[k], sb = src.sb[k], sh = src.sh[k], st = src.st[k];
     const T* base = static_cast<const T*>(ptr) + h * sh + d;
+    // (b, t) of row r, advanced a lane step (kRowLanes rows) at a time.
     int64_t b = r / T_len, t = r % T_len;
-#pragma unroll 4
-    for (; r < rows.end; r += kRowLanes) {
-      float v[kVec];
-      load8(base + b * sb + t * st, v);
-      store8(dy + r * C + c0, v);
-      if constexpr (kBias) {
+    // kInFlight rows a step: every address first, then every load (rows past the chunk
+    // load its first row again), then the stores. Row by row, each load would wait for the
+    // last store: the compiler cannot prove that a store to dy leaves src alone.
+    for (; r < rows.end; r += kRowLanes * kInFlight) {
+      int64_t off[kInFlight];
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) acc[k] += v[k];
+      for (int u = 0; u < kInFlight; ++u) {
+        off[u] = r + u * kRowLanes < rows.end ? b * sb + t * st : off[0];
+        for (t += kRowLanes; t >= T_len; t -= T_len) ++b;
       }
-      for (t += kRowLanes; t >= T_len; t -= T_len) ++b;
+      Raw8<T> x[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) x[u] = load_raw8(base + off[u]);
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        if (r + u * kRowLanes >= rows.end) break;
+        store_raw8(dy + (r + u * kRowLanes) * C + c0, x[u]);  // the bits, unchanged
+        if constexpr (kBias) {
+          float v[kVec];
+          raw8_to_float(x[u], v);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) acc[k] += v[k];
+        }
+      }
     }
   }
   if constexpr (kBias) colsum::write_partial(acc, partial, C);

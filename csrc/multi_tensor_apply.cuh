@@ -94,6 +94,40 @@ template <class V>
 __device__ __forceinline__ void vstore(V* p, const V& v) { *p = v; }
 #endif
 
+// One 16-byte store instruction (st.global.v4.b32; p 16-byte aligned, in global memory).
+// Stored through a plain pointer, a vector the compiler has seen built from 16-bit values
+// can come out as four 4-byte stores. The memory clobber keeps loads the code issued
+// before it there: a kernel that loads several rows before storing them uses it to keep
+// the loads in flight together.
+__device__ __forceinline__ void stg128(void* p, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Two floats rounded to a 16-bit type in one 32-bit word, a in the low half.
+__device__ __forceinline__ uint32_t bits16(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ uint32_t bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  return bits16(from_float<T>(a)) | (bits16(from_float<T>(b)) << 16);
+}
+
+// store8 with 16-byte store instructions (stg128).
+template <typename T>
+__device__ __forceinline__ void store8_wide(T* p, const float (&r)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+    stg128(p, make_uint4(__float_as_uint(r[0]), __float_as_uint(r[1]), __float_as_uint(r[2]),
+                         __float_as_uint(r[3])));
+    stg128(p + 4, make_uint4(__float_as_uint(r[4]), __float_as_uint(r[5]),
+                             __float_as_uint(r[6]), __float_as_uint(r[7])));
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    stg128(p, make_uint4(pack2<T>(r[0], r[1]), pack2<T>(r[2], r[3]), pack2<T>(r[4], r[5]),
+                         pack2<T>(r[6], r[7])));
+  }
+}
+
 // Load 8 consecutive elements (p must be 16-byte aligned) as fp32.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
