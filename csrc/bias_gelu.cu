@@ -5,7 +5,7 @@
 // The bias gradient is the column sum a separate reduction would read dx again for.
 //
 // Kernel 1 computes dx and the fp32 column sums of each chunk of rows; kernel 2 adds the
-// chunks in order (column_sums.cuh): the result does not depend on scheduling.
+// chunks in a fixed order (column_sums.cuh): the result does not depend on scheduling.
 #include "column_sums.cuh"
 #include "mpzero.h"
 
