@@ -98,7 +98,7 @@ def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
     if a.bias_gelu_fusion:
         out.append("--bias-gelu-fusion")
     for flag in ("gradient_accumulation_fusion", "gelu_gemm_fusion", "gelu_gemm_keep_output",
-                 "heads_grad_fusion"):
+                 "heads_grad_fusion", "layernorm_fusion"):
         value = getattr(a, flag)
         if value is not None:
             name = flag.replace("_", "-")

@@ -210,7 +210,8 @@ def model_config(a, setup: str = "") -> GPTConfig:
                      bias_gelu_fusion=bool(a.bias_gelu_fusion),
                      gelu_gemm_fusion=gelu_gemm_fusion(a) and not uses_autocast(setup),
                      gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output),
-                     heads_grad_fusion=bool(a.heads_grad_fusion))
+                     heads_grad_fusion=bool(a.heads_grad_fusion),
+                     layernorm_fusion=bool(a.layernorm_fusion))
 
 
 def gelu_gemm_fusion(a) -> bool:
@@ -268,7 +269,7 @@ def run(setup: str, a) -> dict | None:
             "gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
             "bias_gelu_fusion": cfg.bias_gelu_fusion, "gelu_gemm_fusion": cfg.gelu_gemm_fusion,
             "gelu_gemm_keep_output": cfg.gelu_gemm_keep_output,
-            "heads_grad_fusion": cfg.heads_grad_fusion,
+            "heads_grad_fusion": cfg.heads_grad_fusion, "layernorm_fusion": cfg.layernorm_fusion,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
@@ -315,6 +316,9 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads-grad-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="every setup's QKV backward in one pass with its bias gradient, where "
                         "its dtypes allow (the example's flag)")
+    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=False,
+                   help="every setup's LayerNorms (and ln_2's residual add) one kernel each "
+                        "way, where its dtypes allow (the example's flag)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=None, help="dfa setups: weight-gradient GEMMs add into the "
                    "optimizer's fp32 buffer (None: when --grad-acc > 1, as the example)")

@@ -101,13 +101,19 @@ inline Grid plan(int64_t R, int64_t C, const char* who) {
   return g;
 }
 
+// The sums of the `chunks` rows of partial [chunks, C] into out [C] (T), on the current
+// stream.
+template <typename T>
+void finish_rows(const float* partial, int64_t chunks, int64_t C, T* out) {
+  sum_chunks_kernel<T><<<static_cast<unsigned>((C + kColThreads - 1) / kColThreads), kThreads,
+                         0, at::cuda::getCurrentCUDAStream()>>>(partial, chunks, C, out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The sums of partial's rows into out [C] (T), on the current stream.
 template <typename T>
 void finish(const at::Tensor& partial, const Grid& g, int64_t C, T* out) {
-  sum_chunks_kernel<T><<<static_cast<unsigned>((C + kColThreads - 1) / kColThreads), kThreads,
-                         0, at::cuda::getCurrentCUDAStream()>>>(partial.data_ptr<float>(),
-                                                                g.chunks, C, out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  finish_rows<T>(partial.data_ptr<float>(), g.chunks, C, out);
 }
 
 }  // namespace colsum

@@ -11,8 +11,6 @@
 #include "column_sums.cuh"
 #include "mpzero.h"
 
-#include <type_traits>
-
 namespace mpzero {
 namespace {
 
@@ -26,49 +24,6 @@ struct HeadsSrc {  // src_j's base pointer and its strides over B, H, T (element
   const void* ptr[kMaxHeadsSrc];
   int64_t sb[kMaxHeadsSrc], sh[kMaxHeadsSrc], st[kMaxHeadsSrc];
 };
-
-// 8 elements of T as 16-byte words (one for 16-bit types, two for fp32), stored with
-// stg128 (which also keeps the loads of a step before its first store).
-template <typename T>
-struct Raw8 {
-  uint4 w[sizeof(T) / 2];
-};
-template <typename T>
-__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
-  Raw8<T> x;
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = vload(reinterpret_cast<const uint4*>(p) + i);
-  return x;
-}
-template <typename T>
-__device__ __forceinline__ void store_raw8(T* p, const Raw8<T>& x) {
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) stg128(reinterpret_cast<uint4*>(p) + i, x.w[i]);
-}
-template <typename T>
-__device__ __forceinline__ void raw8_to_float(const Raw8<T>& x, float (&v)[kVec]) {
-  if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      v[4 * i] = __uint_as_float(x.w[i].x);
-      v[4 * i + 1] = __uint_as_float(x.w[i].y);
-      v[4 * i + 2] = __uint_as_float(x.w[i].z);
-      v[4 * i + 3] = __uint_as_float(x.w[i].w);
-    }
-  } else {
-    const uint32_t w[4] = {x.w[0].x, x.w[0].y, x.w[0].z, x.w[0].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-      } else {
-        v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
-        v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-      }
-    }
-  }
-}
 
 template <typename T, bool kBias>
 __global__ void __launch_bounds__(kThreads)

@@ -128,6 +128,58 @@ __device__ __forceinline__ void store8_wide(T* p, const float (&r)[kVec]) {
   }
 }
 
+// 8 elements of T as they lie in memory: 16-byte words (one for 16-bit types, two for
+// fp32). Kept raw, a row loaded ahead takes half the registers of its fp32 values; stored
+// raw with stg128, a copy is bit-exact.
+template <typename T>
+struct Raw8 {
+  uint4 w[sizeof(T) / 2];
+};
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  Raw8<T> x;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = vload(reinterpret_cast<const uint4*>(p) + i);
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ Raw8<T> load_raw8_or_zero(const T* p, bool active) {
+  if (active) return load_raw8(p);
+  Raw8<T> x;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = make_uint4(0u, 0u, 0u, 0u);
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ void store_raw8(T* p, const Raw8<T>& x) {
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) stg128(reinterpret_cast<uint4*>(p) + i, x.w[i]);
+}
+template <typename T>
+__device__ __forceinline__ void raw8_to_float(const Raw8<T>& x, float (&v)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      v[4 * i] = __uint_as_float(x.w[i].x);
+      v[4 * i + 1] = __uint_as_float(x.w[i].y);
+      v[4 * i + 2] = __uint_as_float(x.w[i].z);
+      v[4 * i + 3] = __uint_as_float(x.w[i].w);
+    }
+  } else {
+    const uint32_t w[4] = {x.w[0].x, x.w[0].y, x.w[0].z, x.w[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      } else {
+        v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
+        v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+      }
+    }
+  }
+}
+
 // Load 8 consecutive elements (p must be 16-byte aligned) as fp32.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {

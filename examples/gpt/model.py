@@ -82,6 +82,10 @@ class GPTConfig:
     # pass that also makes the bias gradient (mpzero.tensor_parallel.heads; where the
     # activations and weights share a dtype); the same function.
     heads_grad_fusion: bool = True
+    # LayerNorm forward and backward one kernel each, the residual add before ln_2 in the
+    # same pass (mpzero.tensor_parallel.layer_norm; LayerNorm where the activations and
+    # weights share a dtype); the same function.
+    layernorm_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -157,12 +161,32 @@ class Norm(nn.Module):
             for p in self.parameters():
                 tp.mark_sequence_parallel(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         w, b = self.weight, self.bias
         if self.sequence_parallel:
             w = tp.reduce_grad_over_tensor_model_parallel_region(w, self.tp_group)
             b = None if b is None else tp.reduce_grad_over_tensor_model_parallel_region(
                 b, self.tp_group)
+        return w, b
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """The fused LayerNorm applies: LayerNorm (not RMSNorm), activations in the
+        weights' dtype, no autocast."""
+        return (not self.rms and x.dtype == self.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type))
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(s))`` with ``s = x + y``, in one pass (needs :meth:`fusable`)."""
+        w, b = self._params()
+        return tp.add_layer_norm(x, y, w, b, self.eps)
+
+    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` by the fused kernels (needs :meth:`fusable`)."""
+        w, b = self._params()
+        return tp.fused_layer_norm(x, w, b, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self._params()
         if self.rms:
             return F.rms_norm(x, w.shape, w, self.eps)
         return F.layer_norm(x, w.shape, w, b, self.eps)
@@ -387,9 +411,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp_group)
         # Replicated stream (same mask on TP ranks), per-rank with sequence parallelism.
         self.p, self.sequence_parallel = cfg.dropout, cfg.sequence_parallel
+        self.layernorm_fusion = cfg.layernorm_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.p, self.sequence_parallel
+        if self.layernorm_fusion and self.ln_1.fusable(x):
+            a = dropout(self.attn(self.ln_1.fused_forward(x)), p, self.training, sp)
+            x, h = self.ln_2.add_forward(x, a)
+            return x + dropout(self.mlp(h), p, self.training, sp)
         x = x + dropout(self.attn(self.ln_1(x)), p, self.training, sp)
         x = x + dropout(self.mlp(self.ln_2(x)), p, self.training, sp)
         return x

@@ -39,7 +39,8 @@ except ImportError:  # pragma: no cover - exercised where the extension is absen
 __all__ = ["adam", "adam_remainders", "adam_implementation", "l2norm", "multi_copy",
            "extension_available", "multi_add", "cross_entropy_stats", "cross_entropy_backward",
            "fused_cross_entropy_available", "bias_gelu_backward", "gemm_gelu_available",
-           "gemm_bias_gelu", "gemm_dgelu", "heads_grad"]
+           "gemm_bias_gelu", "gemm_dgelu", "heads_grad", "layer_norm_forward",
+           "layer_norm_backward"]
 
 Scalar = float | int | torch.Tensor
 
@@ -322,6 +323,58 @@ def heads_grad(grads: Sequence[torch.Tensor],
     if _heads_grad_on_cuda(grads):
         return _cuda.heads_grad(grads, with_bias)
     return reference.heads_grad(grads, with_bias)
+
+
+def _layer_norm_on_cuda(rows: Sequence[torch.Tensor | None],
+                        vectors: Sequence[torch.Tensor | None]) -> bool:
+    """The CUDA LayerNorm kernels take these: ``rows`` (``[R, H]``) and ``vectors``
+    (``[H]``) CUDA tensors of one dtype (fp32/fp16/bf16) on one device, contiguous and
+    16-byte aligned, H a multiple of 8 up to 8192 (``None`` entries are absent ones)."""
+    if _cuda is None or not _cuda.layer_norm_available():
+        return False
+    x = rows[0]
+    if not x.is_cuda or x.dim() != 2 or x.dtype not in _CE_DTYPES:
+        return False
+    H = x.shape[1]
+    if H == 0 or H % 8 or H > 8192:
+        return False
+    return all(t.is_cuda and t.device == x.device and t.dtype == x.dtype and t.is_contiguous()
+               and t.data_ptr() % 16 == 0 and t.shape == (x.shape if i < len(rows) else (H,))
+               for i, t in enumerate([*rows, *vectors]) if t is not None)
+
+
+def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                       bias: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim of ``x [R, H]`` after an optional residual add ``s = x
+    + y``: ``(out, s, mean, rstd)`` (``s`` is ``x`` without ``y``; ``mean``, ``rstd``
+    fp32 per row), one pass on CUDA; else :func:`mpzero.kernels.reference.layer_norm_forward`
+    (same contract)."""
+    if x.dim() != 2 or (y is not None and y.shape != x.shape):
+        raise ValueError(f"layer_norm_forward: x [R, H] and y of its shape expected, got "
+                         f"{tuple(x.shape)} and {None if y is None else tuple(y.shape)}")
+    if weight.shape != (x.shape[1],) or (bias is not None and bias.shape != weight.shape):
+        raise ValueError(f"layer_norm_forward: weight and bias must have {x.shape[1]} "
+                         f"elements, got {tuple(weight.shape)} and "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    if _layer_norm_on_cuda([x, y], [weight, bias]):
+        return _cuda.layer_norm_forward(x, y, weight, bias, eps)
+    return reference.layer_norm_forward(x, y, weight, bias, eps)
+
+
+def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
+                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        with_bias: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`layer_norm_forward`: ``(ds, dw, db)`` from the output's
+    gradient ``g_out`` and the gradient ``g_s`` that reaches ``s`` by other paths (the
+    residual stream; ``None``: none), ``dw``/``db`` as fp32 column sums in a fixed order
+    on CUDA; else :func:`mpzero.kernels.reference.layer_norm_backward`."""
+    ok = (mean.dtype == rstd.dtype == torch.float32 and mean.is_contiguous()
+          and rstd.is_contiguous() and mean.shape == rstd.shape == (s.shape[0],))
+    if ok and _layer_norm_on_cuda([s, g_out, g_s], [weight]):
+        return _cuda.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, with_bias)
+    return reference.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, with_bias)
 
 
 _GEMM_DTYPES = (torch.float16, torch.bfloat16)

@@ -31,6 +31,9 @@ __all__ = [
     "bias_gelu_backward",
     "heads_grad_available",
     "heads_grad",
+    "layer_norm_available",
+    "layer_norm_forward",
+    "layer_norm_backward",
     "gemm_gelu_available",
     "gemm_bias_gelu",
     "gemm_dgelu",
@@ -283,6 +286,34 @@ def heads_grad(grads: Sequence[torch.Tensor],
     dbias = dy.new_empty(dy.shape[1]) if with_bias else None
     _C.heads_grad(list(grads), dy, dbias)
     return dy, dbias
+
+
+def layer_norm_available() -> bool:
+    """The built extension has the LayerNorm kernels (an older build may not)."""
+    return hasattr(_C, "layer_norm_forward")
+
+
+def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                       bias: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x)
+    s = torch.empty_like(x) if y is not None else x
+    mean = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    _C.layer_norm_forward(x, y, weight, bias, s if y is not None else None, out, mean, rstd,
+                          eps)
+    return out, s, mean, rstd
+
+
+def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
+                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        with_bias: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ds = torch.empty_like(s)
+    dw = torch.empty_like(weight)
+    db = torch.empty_like(weight) if with_bias else None
+    _C.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, ds, dw, db)
+    return ds, dw, db
 
 
 def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:

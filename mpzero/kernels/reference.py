@@ -18,7 +18,7 @@ import torch
 from mpzero.kernels.precision import merge_remainder, split_remainder
 
 __all__ = ["adam", "adam_remainders", "l2norm", "multi_copy", "gemm_bias_gelu", "heads_grad",
-           "gemm_dgelu"]
+           "layer_norm_forward", "layer_norm_backward", "gemm_dgelu"]
 
 Scalar = float | int | torch.Tensor
 
@@ -288,6 +288,45 @@ def heads_grad(grads: Sequence[torch.Tensor],
     B, H, T, D = grads[0].shape
     dy = torch.stack(list(grads), dim=3).permute(0, 2, 1, 3, 4).reshape(B * T, H * len(grads) * D)
     return dy, (_wide(dy).sum(0).to(dy.dtype) if with_bias else None)
+
+
+def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
+                       bias: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dim of ``[R, H]`` rows after an optional residual add:
+    ``(out, s, mean, rstd)`` with ``s = x + y`` as an eager add writes it (``s = x``
+    without ``y``), ``mean``, ``rstd = 1 / sqrt(var + eps)`` of ``s`` per row (fp32, or
+    fp64 for fp64 input; biased variance) and ``out = (s - mean) * rstd * weight + bias``
+    computed wide and rounded once."""
+    s = x + y if y is not None else x
+    sw = _wide(s)
+    mean = sw.mean(-1)
+    rstd = torch.rsqrt((sw - mean.unsqueeze(-1)).square().mean(-1) + eps)
+    out = (sw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * _wide(weight)
+    if bias is not None:
+        out = out + _wide(bias)
+    return out.to(x.dtype), s, mean, rstd
+
+
+def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
+                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        with_bias: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`layer_norm_forward` (all ``[R, H]`` but the per-row
+    ``mean``, ``rstd`` and ``weight [H]``): ``(ds, dw, db)`` with ``xhat = (s - mean) *
+    rstd``, ``dxh = g_out * weight``, ``ds = rstd * (dxh - mean(dxh) - xhat * mean(dxh *
+    xhat)) + g_s`` (rounded once), ``dw`` the column sums of ``g_out * xhat`` and ``db``
+    those of ``g_out`` (``None`` unless ``with_bias``), computed wide."""
+    g = _wide(g_out)
+    xhat = (_wide(s) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    dxh = g * _wide(weight)
+    ds = rstd.unsqueeze(-1) * (dxh - dxh.mean(-1, keepdim=True)
+                               - xhat * (dxh * xhat).mean(-1, keepdim=True))
+    if g_s is not None:
+        ds = ds + _wide(g_s)
+    dw = (g * xhat).sum(0).to(weight.dtype)
+    db = g.sum(0).to(weight.dtype) if with_bias else None
+    return ds.to(s.dtype), dw, db
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -322,6 +322,24 @@ def test_heads_grad_fusion_is_the_same_model(groups):
     _same_model_either_way(check, option="heads_grad_fusion", num_query_groups=groups)
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_fusion_is_the_same_model(normalization):
+    """``layernorm_fusion`` (``--layernorm-fusion``): the blocks' LayerNorms by the fused
+    ops (ln_2 with the residual add before it) give the unfused model's loss and
+    gradients; RMSNorm and autocast stay unfused."""
+    def check(model, fusion):
+        block = model.blocks[0]
+        with torch.no_grad():  # a non-trivial norm, so a wrong weight/bias gradient shows
+            block.ln_2.weight.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(4))
+        x = torch.randn(2, 3, CFG["hidden_size"])
+        assert block.ln_1.fusable(x) == (normalization == "LayerNorm")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not block.ln_1.fusable(x)
+        assert block.layernorm_fusion == fusion
+
+    _same_model_either_way(check, option="layernorm_fusion", normalization=normalization)
+
+
 def test_gelu_gemm_fusion_needs_tanh_gelu():
     with pytest.raises(ValueError, match="openai_gelu"):
         GPTConfig(**CFG, gelu_gemm_fusion=True)
