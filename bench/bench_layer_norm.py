@@ -47,7 +47,8 @@ def rows(tokens: int, hidden: int, iters: int, device: str = "cuda",
     x.requires_grad_()
     y.requires_grad_()
     compiled = torch.compile(_unfused, backend=backend)
-    for name, fn in (("compiled add + F.layer_norm", compiled), ("mpzero add_layer_norm", add_layer_norm)):
+    cases = (("compiled add + F.layer_norm", compiled), ("mpzero add_layer_norm", add_layer_norm))
+    for name, fn in cases:
         with torch.no_grad():
             ms = time_ms(lambda f=fn: f(x, y, w, b), iters, device)
         out.append((f"{name}: forward", ms, gbytes / ms))
