@@ -116,3 +116,14 @@ def test_sequence_parallel_llama_blocks_with_dfa(world):
         bad = {n: e for n, e in r["err"].items() if not e <= WEIGHT_TOL}
         assert not bad, bad
         assert "blocks.0.attn.kv.weight" in r["marked"]
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallel_with_layernorm_fusion(world):
+    """--layernorm-fusion under sequence parallelism: the fused norms' weight and bias
+    gradients (partial over TP, each rank's tokens) are all-reduced like the unfused ones."""
+    for r in world(2, _sp_with_dfa, 2, {"layernorm_fusion": True}):
+        for got, ref in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
+            assert abs(got - ref) <= 1e-5 * abs(ref), r
+        bad = {n: e for n, e in r["err"].items() if not e <= WEIGHT_TOL}
+        assert not bad, bad
