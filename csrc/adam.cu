@@ -259,22 +259,18 @@ AdamScalars make_scalars(double lr, const std::optional<at::Tensor>& lr_t, doubl
   return s;
 }
 
+// f(float{}), f(__half{}) or f(__nv_bfloat16{}) for a params or grads dtype.
 template <typename F>
-void dispatch_float(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "mpzero: unsupported dtype ", t, " for '", what, "'");
-  }
+void dispatch_adam(at::ScalarType t, const char* what, F&& f) {
+  dispatch_float(t, f, "mpzero: unsupported dtype ", c10::toString(t), " for '", what, "'");
 }
 
 // One launch series of the plain kernel over tensors of one (p, g) dtype combination.
 void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, OutKind ok,
                  const std::vector<std::array<void*, 5>>& ptrs,
                  const std::vector<int64_t>& numel) {
-  dispatch_float(pt, "params", [&](auto p_tag) {
-    dispatch_float(gt, "grads", [&](auto g_tag) {
+  dispatch_adam(pt, "params", [&](auto p_tag) {
+    dispatch_adam(gt, "grads", [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
       if (launch_config().split_access) {
@@ -290,7 +286,7 @@ void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, Out
 void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKind ok,
                  const std::vector<std::array<void*, 6>>& ptrs,
                  const std::vector<int64_t>& numel) {
-  dispatch_float(gt, "grads", [&](auto g_tag) {
+  dispatch_adam(gt, "grads", [&](auto g_tag) {
     using G = decltype(g_tag);
     if (launch_config().split_access) {
       launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, true>{s, ok, 1.0f});

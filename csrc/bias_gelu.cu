@@ -102,12 +102,8 @@ void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::T
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     colsum::finish<T>(partial, grid, C, static_cast<T*>(dbias.data_ptr()));
   };
-  switch (x.scalar_type()) {
-    case at::kFloat: launch(float{}); break;
-    case at::kHalf: launch(__half{}); break;
-    case at::kBFloat16: launch(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "mpzero.bias_gelu_backward: float32, float16 or bfloat16");
-  }
+  dispatch_float(x.scalar_type(), launch, "mpzero.bias_gelu_backward: float32, float16 or "
+                 "bfloat16");
 }
 
 }  // namespace mpzero

@@ -75,14 +75,10 @@ struct RawOp {
   }
 };
 
+// f(float{}), f(__half{}) or f(__nv_bfloat16{}) for a cast's dtype.
 template <typename F>
-void dispatch_float(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "mpzero.multi_copy: unsupported cast dtype ", t);
-  }
+void dispatch_cast(at::ScalarType t, F&& f) {
+  dispatch_float(t, f, "mpzero.multi_copy: unsupported cast dtype ", c10::toString(t));
 }
 
 }  // namespace
@@ -126,8 +122,8 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
       numel.push_back(srcs[i].numel());
     }
     if (numel.empty()) continue;
-    dispatch_float(st, [&](auto s_tag) {
-      dispatch_float(dt, [&](auto d_tag) {
+    dispatch_cast(st, [&](auto s_tag) {
+      dispatch_cast(dt, [&](auto d_tag) {
         using S = decltype(s_tag);
         using D = decltype(d_tag);
         launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D, false>{noop});
@@ -165,7 +161,7 @@ void multi_add(const std::vector<at::Tensor>& srcs, const std::vector<at::Tensor
     launch_multi_tensor<2>(ptrs, numel, chunk_elems(), CastOp<S, D, true>{noop});
   };
   if (dt == at::kFloat) {
-    dispatch_float(st, [&](auto s_tag) { launch(s_tag, float{}); });
+    dispatch_cast(st, [&](auto s_tag) { launch(s_tag, float{}); });
   } else if (st == dt && dt == at::kBFloat16) {
     launch(__nv_bfloat16{}, __nv_bfloat16{});
   } else if (st == dt && dt == at::kHalf) {

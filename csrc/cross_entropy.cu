@@ -148,12 +148,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 template <typename F>
 void dispatch_logits(at::ScalarType t, const char* what, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, "mpzero.", what, ": logits must be float32, float16 or bfloat16");
-  }
+  dispatch_float(t, f, "mpzero.", what, ": logits must be float32, float16 or bfloat16");
 }
 
 int threads_for(int64_t V, bool vec) {

@@ -141,12 +141,7 @@ void heads_grad(const std::vector<at::Tensor>& grads, at::Tensor dy,
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   };
-  switch (g0.scalar_type()) {
-    case at::kFloat: launch(float{}); break;
-    case at::kHalf: launch(__half{}); break;
-    case at::kBFloat16: launch(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, who, ": float32, float16 or bfloat16");
-  }
+  dispatch_float(g0.scalar_type(), launch, who, ": float32, float16 or bfloat16");
 }
 
 }  // namespace mpzero

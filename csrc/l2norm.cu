@@ -119,12 +119,7 @@ at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tens
   }
   const int64_t chunk = chunk_elems();
   auto for_group = [&](at::ScalarType st, auto&& f) {
-    switch (st) {
-      case at::kFloat: f(float{}); break;
-      case at::kHalf: f(__half{}); break;
-      case at::kBFloat16: f(__nv_bfloat16{}); break;
-      default: TORCH_CHECK(false, "mpzero.l2norm: unsupported dtype ", st);
-    }
+    dispatch_float(st, f, "mpzero.l2norm: unsupported dtype ", c10::toString(st));
   };
   // Plan every launch first to size the partials buffer.
   std::vector<std::vector<LaunchPlan>> plans(groups.size());

@@ -241,6 +241,15 @@ void check_vector(const at::Tensor& t, const at::Tensor& like, int64_t H, const 
               num(H), " elements of x's dtype");
 }
 
+void check_stats(const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& like,
+                 int64_t R, const char* who) {
+  for (const at::Tensor* t : {&mean, &rstd})
+    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == R &&
+                    t->scalar_type() == at::kFloat && t->device() == like.device(),
+                who, ": mean and rstd must be contiguous fp32 CUDA tensors of ", num(R),
+                " elements");
+}
+
 int64_t checked_width(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), who,
               ": x must be a contiguous 2-D CUDA tensor [rows, H]");
@@ -250,15 +259,6 @@ int64_t checked_width(const at::Tensor& x, const char* who) {
   return H;
 }
 
-template <typename F>
-void dispatch_float(at::ScalarType dtype, const char* who, F&& f) {
-  switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(__half{}); break;
-    case at::kBFloat16: f(__nv_bfloat16{}); break;
-    default: TORCH_CHECK(false, who, ": float32, float16 or bfloat16");
-  }
-}
 
 }  // namespace
 
@@ -277,17 +277,13 @@ void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const 
   check_rows(out, x, who, "out");
   check_vector(w, x, H, who, "weight");
   if (b) check_vector(*b, x, H, who, "bias");
-  for (const at::Tensor* t : {&mean, &rstd})
-    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == R &&
-                    t->scalar_type() == at::kFloat && t->device() == x.device(),
-                who, ": mean and rstd must be contiguous fp32 CUDA tensors of ", num(R),
-                " elements");
+  check_stats(mean, rstd, x, R, who);
   if (R == 0) return;
   const at::cuda::CUDAGuard guard(x.device());
   const Shape sh = plan(R, H, false);
   const int64_t blocks = (R + sh.rows_per_block - 1) / sh.rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_float(x.scalar_type(), who, [&](auto tag) {
+  dispatch_float(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto add, auto bias) {
       layer_norm_forward_kernel<T, decltype(add)::value, decltype(bias)::value>
@@ -307,7 +303,7 @@ void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const 
     else if (y) launch(Yes{}, No{});
     else if (b) launch(No{}, Yes{});
     else launch(No{}, No{});
-  });
+  }, who, ": float32, float16 or bfloat16");
 }
 
 void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
@@ -323,11 +319,7 @@ void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
   check_vector(w, s, H, who, "weight");
   check_vector(dw, s, H, who, "dw");
   if (db) check_vector(*db, s, H, who, "db");
-  for (const at::Tensor* t : {&mean, &rstd})
-    TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == R &&
-                    t->scalar_type() == at::kFloat && t->device() == s.device(),
-                who, ": mean and rstd must be contiguous fp32 CUDA tensors of ", num(R),
-                " elements");
+  check_stats(mean, rstd, s, R, who);
   const at::cuda::CUDAGuard guard(s.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   if (R == 0) {
@@ -340,7 +332,7 @@ void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
   at::Tensor partial = at::empty({2, blocks, H}, s.options().dtype(at::kFloat));
   float* pw = partial.data_ptr<float>();
   float* pb = pw + blocks * H;
-  dispatch_float(s.scalar_type(), who, [&](auto tag) {
+  dispatch_float(s.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto res) {
       layer_norm_backward_kernel<T, decltype(res)::value>
@@ -356,7 +348,7 @@ void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
     else launch(std::false_type{});
     colsum::finish_rows<T>(pw, blocks, H, static_cast<T*>(dw.data_ptr()));
     if (db) colsum::finish_rows<T>(pb, blocks, H, static_cast<T*>(db->data_ptr()));
-  });
+  }, who, ": float32, float16 or bfloat16");
 }
 
 }  // namespace mpzero

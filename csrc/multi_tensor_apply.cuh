@@ -105,6 +105,18 @@ __device__ __forceinline__ void stg128(void* p, const uint4& v) {
                : "memory");
 }
 
+// f(float{}), f(__half{}) or f(__nv_bfloat16{}) for the dtype t; any other dtype fails
+// with the message parts msg (as TORCH_CHECK takes them).
+template <typename F, typename... Msg>
+void dispatch_float(at::ScalarType t, F&& f, const Msg&... msg) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(__half{}); break;
+    case at::kBFloat16: f(__nv_bfloat16{}); break;
+    default: TORCH_CHECK(false, msg...);
+  }
+}
+
 // Two floats rounded to a 16-bit type in one 32-bit word, a in the low half.
 __device__ __forceinline__ uint32_t bits16(__half x) { return __half_as_ushort(x); }
 __device__ __forceinline__ uint32_t bits16(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
