@@ -38,6 +38,14 @@ def time_ms(fn, iters: int, device: str) -> float:
     return statistics.median(timer(fn)[0] for _ in range(iters)) * 1e3
 
 
+def print_table(table, width: int = 42) -> None:
+    """``(case, ms, TB/s)`` rows as a Markdown table."""
+    print(f"| {'case':<{width}} | {'ms':>7} | {'TB/s':>6} |")
+    print(f"|{'-' * (width + 2)}|{'-' * 9}|{'-' * 8}|")
+    for case, ms, tbps in table:
+        print(f"| {case:<{width}} | {ms:7.3f} | {tbps:6.3f} |")
+
+
 def device_and_name(cpu: bool) -> tuple[str, str]:
     """``("cpu", "cpu")`` with ``--cpu``, else ``("cuda", the GPU's name)`` (exit if none)."""
     if cpu:
@@ -103,11 +111,8 @@ def main() -> None:
     device, name = device_and_name(a.cpu)
     print(f"{name}, torch {torch.__version__}, [{a.tokens}, {a.features}] bf16, "
           f"median of {a.iters}")
-    print(f"| {'case':<40} | {'ms':>7} | {'TB/s':>6} |")
-    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 8}|")
     table, diff = rows(a.tokens, a.features, a.iters, device, a.backend)
-    for name, ms, tbs in table:
-        print(f"| {name:<40} | {ms:>7.3f} | {tbs:>6.2f} |")
+    print_table(table, 40)
     print(f"max |gelu(x) - gelu_tanh(x)| over the N(0, 1) input: {diff:.2e}")
 
 

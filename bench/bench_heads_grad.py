@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gelu import device_and_name, time_ms  # noqa: E402
+from bench_gelu import device_and_name, print_table, time_ms  # noqa: E402
 
 from mpzero import kernels  # noqa: E402
 
@@ -75,10 +75,7 @@ def main(argv=None) -> None:
     device, name = device_and_name(a.cpu)
     print(f"torch {torch.__version__}, {name}; q, k, v gradients [{a.batch}, {a.heads}, "
           f"{a.seq}, {a.head_dim}] bf16, median of {a.iters}")
-    print(f"| {'case':<42} | {'ms':>7} | {'TB/s':>6} |")
-    print(f"|{'-' * 44}|{'-' * 9}|{'-' * 8}|")
-    for case, ms, tbps in rows(a.batch, a.seq, a.heads, a.head_dim, a.iters, device, a.backend):
-        print(f"| {case:<42} | {ms:7.3f} | {tbps:6.3f} |")
+    print_table(rows(a.batch, a.seq, a.heads, a.head_dim, a.iters, device, a.backend))
 
 
 if __name__ == "__main__":

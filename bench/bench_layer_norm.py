@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gelu import device_and_name, time_ms  # noqa: E402
+from bench_gelu import device_and_name, print_table, time_ms  # noqa: E402
 
 from mpzero.tensor_parallel import add_layer_norm  # noqa: E402
 
@@ -72,10 +72,7 @@ def main(argv=None) -> None:
     device, name = device_and_name(a.cpu)
     print(f"torch {torch.__version__}, {name}; [{a.tokens}, {a.hidden}] bf16, median of "
           f"{a.iters}")
-    print(f"| {'case':<48} | {'ms':>7} | {'TB/s':>6} |")
-    print(f"|{'-' * 50}|{'-' * 9}|{'-' * 8}|")
-    for case, ms, tbps in rows(a.tokens, a.hidden, a.iters, device, a.backend):
-        print(f"| {case:<48} | {ms:7.3f} | {tbps:6.3f} |")
+    print_table(rows(a.tokens, a.hidden, a.iters, device, a.backend), 48)
 
 
 if __name__ == "__main__":
