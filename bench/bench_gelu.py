@@ -38,6 +38,13 @@ def time_ms(fn, iters: int, device: str) -> float:
     return statistics.median(timer(fn)[0] for _ in range(iters)) * 1e3
 
 
+def add_run_args(p, iters: int = 50) -> None:
+    """The flags every kernel bench shares: --iters, --cpu, --backend."""
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+
+
 def print_table(table, width: int = 42) -> None:
     """``(case, ms, TB/s)`` rows as a Markdown table."""
     print(f"| {'case':<{width}} | {'ms':>7} | {'TB/s':>6} |")
@@ -104,9 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="micro-batch x sequence")
     ap.add_argument("--features", type=int, default=8192, help="MLP hidden features")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
+    add_run_args(ap)
     a = ap.parse_args()
     device, name = device_and_name(a.cpu)
     print(f"{name}, torch {torch.__version__}, [{a.tokens}, {a.features}] bf16, "

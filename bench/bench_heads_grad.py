@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gelu import device_and_name, print_table, time_ms  # noqa: E402
+from bench_gelu import add_run_args, device_and_name, print_table, time_ms  # noqa: E402
 
 from mpzero import kernels  # noqa: E402
 
@@ -68,9 +68,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    add_run_args(p)
     a = p.parse_args(argv)
     device, name = device_and_name(a.cpu)
     print(f"torch {torch.__version__}, {name}; q, k, v gradients [{a.batch}, {a.heads}, "

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gelu import device_and_name, print_table, time_ms  # noqa: E402
+from bench_gelu import add_run_args, device_and_name, print_table, time_ms  # noqa: E402
 
 from mpzero.tensor_parallel import add_layer_norm  # noqa: E402
 
@@ -65,9 +65,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384, help="micro-batch x sequence")
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--backend", default="inductor", help="torch.compile backend")
+    add_run_args(p)
     a = p.parse_args(argv)
     device, name = device_and_name(a.cpu)
     print(f"torch {torch.__version__}, {name}; [{a.tokens}, {a.hidden}] bf16, median of "

@@ -105,9 +105,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384, help="micro-batch x sequence")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=8192)
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test)")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
+    bench_gelu.add_run_args(ap, iters=30)
     a = ap.parse_args()
     device, name = bench_gelu.device_and_name(a.cpu)
     print(f"{name}, torch {torch.__version__}, tokens {a.tokens}, hidden {a.hidden}, "
