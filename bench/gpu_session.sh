@@ -4,6 +4,7 @@
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
+#                             [heads] [layernorm]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -19,6 +20,9 @@
 #   peers-eager: the same without --compile, every setup (DDP and ZeRO-1 too)
 #   gelu:      bench/bench_gelu.py (exact vs tanh GELU, fwd + bwd, compiled, 1.3B MLP shape)
 #   mlp:       bench/bench_mlp.py (the 1.3B MLP unfused vs GELU in the GEMMs' epilogues)
+#   heads:     bench/bench_heads_grad.py (the QKV gradient in one pass vs inductor's kernels)
+#   layernorm: the fused LayerNorm's GPU tests, bench/bench_layer_norm.py, and the 1.3B GA4
+#              dfa iteration with and without --layernorm-fusion
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -95,6 +99,15 @@ for s in $stages; do
                    --json "$OUT/peers_eager.json" ;;
     gelu) stage gelu python3 bench/bench_gelu.py ;;
     mlp) stage mlp python3 bench/bench_mlp.py --iters 30 ;;
+    heads) stage heads python3 bench/bench_heads_grad.py --iters 30 ;;
+    layernorm) stage layernorm-tests python3 -m pytest -q tests/gpu/test_layer_norm_cuda.py \
+                 --timeout 120 -p no:cacheprovider
+               stage layernorm python3 bench/bench_layer_norm.py --iters 30
+               for ln in --layernorm-fusion --no-layernorm-fusion; do
+                 stage "peers$ln" python3 bench/bench_gpt_peers.py --compile --openai-gelu \
+                   --grad-acc 4 --setups dfa --warmup 3 --iters 5 $ln \
+                   --json "$OUT/peers$ln.json"
+               done ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
