@@ -21,8 +21,8 @@ constexpr int kRowLanes = 8;
 constexpr int kBlockCols = kColThreads * kVec;  // 256
 constexpr int kThreads = kColThreads * kRowLanes;
 
-// This thread's place in the block: its 8 columns start at column(), its rows at
-// first_row() and step by kRowLanes.
+// This thread's place in the block: its 8 columns start at column(), its rows at the
+// chunk's first row + lane() and step by kRowLanes.
 __device__ __forceinline__ int64_t column() {
   return (int64_t)blockIdx.x * kBlockCols + (threadIdx.x % kColThreads) * kVec;
 }

@@ -6,9 +6,9 @@
 //             dxh = g_out * w, xhat = (s - mean) * rstd
 //             dw = sum over rows of g_out * xhat, db = sum over rows of g_out
 // One row is normalized by a group of H/8 threads (each holding 8 columns in registers);
-// a block holds kGroups row groups. The backward's dw, db are fp32 sums per block of a
-// fixed row range, then added over the blocks in a fixed order (column_sums.cuh): no
-// atomics, the same bits on every run.
+// a block holds up to kMaxGroups row groups. The backward's dw, db are fp32 sums per
+// block of a fixed row range, then added over the blocks in a fixed order
+// (column_sums.cuh): no atomics, the same bits on every run.
 #include "column_sums.cuh"
 #include "mpzero.h"
 
@@ -184,9 +184,8 @@ __global__ void __launch_bounds__(kMaxRowThreads)
       store8_wide(ds + r * H + c0, d);
     }
   }
-  // The block's partial rows of dw and db: its groups' sums added in group order.
-  float* pw = partial_w + (int64_t)blockIdx.x * H + c0;
-  float* pb = partial_b + (int64_t)blockIdx.x * H + c0;
+  // The block's partial rows of dw and db (db's only where partial_b is given): its
+  // groups' sums added in group order.
   if (shape.groups > 1) {
     __shared__ float cols[2][kGroupedCols];
     for (int g0 = 0; g0 < shape.groups; ++g0) {
@@ -203,9 +202,13 @@ __global__ void __launch_bounds__(kMaxRowThreads)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc_w[k] = cols[0][c0 + k], acc_b[k] = cols[1][c0 + k];
   }
-  if (col)
+  if (!col) return;
+  const int64_t at = (int64_t)blockIdx.x * H + c0;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) pw[k] = acc_w[k], pb[k] = acc_b[k];
+  for (int k = 0; k < kVec; ++k) partial_w[at + k] = acc_w[k];
+  if (partial_b != nullptr)
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) partial_b[at + k] = acc_b[k];
 }
 
 Shape plan(int64_t R, int64_t H, bool backward) {
@@ -259,7 +262,6 @@ int64_t checked_width(const at::Tensor& x, const char* who) {
   return H;
 }
 
-
 }  // namespace
 
 void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const at::Tensor& w,
@@ -267,8 +269,7 @@ void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const 
                         at::Tensor out, at::Tensor mean, at::Tensor rstd, double eps) {
   const char* who = "mpzero.layer_norm_forward";
   const int64_t H = checked_width(x, who), R = x.size(0);
-  TORCH_CHECK((x.data_ptr() == nullptr) || (reinterpret_cast<uintptr_t>(x.data_ptr()) & 15u) == 0,
-              who, ": x must be 16-byte aligned");
+  check_rows(x, x, who, "x");
   TORCH_CHECK(y.has_value() == s_out.has_value(), who, ": y and s_out go together");
   if (y) {
     check_rows(*y, x, who, "y");
@@ -329,9 +330,9 @@ void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
   }
   const Shape sh = plan(R, H, true);
   const int64_t blocks = (R + sh.rows_per_block - 1) / sh.rows_per_block;
-  at::Tensor partial = at::empty({2, blocks, H}, s.options().dtype(at::kFloat));
+  at::Tensor partial = at::empty({db ? 2 : 1, blocks, H}, s.options().dtype(at::kFloat));
   float* pw = partial.data_ptr<float>();
-  float* pb = pw + blocks * H;
+  float* pb = db ? pw + blocks * H : nullptr;
   dispatch_float(s.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto res) {
