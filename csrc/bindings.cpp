@@ -51,11 +51,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dy [B*T, H*n*D] from n head gradients [B, H, T, D], and dy's column sums into dbias",
         py::arg("grads"), py::arg("dy"), py::arg("dbias"));
   m.def("layer_norm_forward", &mpzero::layer_norm_forward,
-        "s = x + y (optional), out = LayerNorm(s) * w + b; fp32 mean and rstd per row",
+        "s = x + y (optional), out = LayerNorm(s) * w + b; fp32 mean and rstd per row "
+        "(mean None: RMSNorm, no bias)",
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("bias"), py::arg("s_out"),
         py::arg("out"), py::arg("mean"), py::arg("rstd"), py::arg("eps"));
   m.def("layer_norm_backward", &mpzero::layer_norm_backward,
-        "ds = LayerNorm backward of g_out (+ g_s), dw and db as fp32 column sums",
+        "ds = LayerNorm backward of g_out (+ g_s), dw and db as fp32 column sums (mean "
+        "None: RMSNorm's, no db)",
         py::arg("g_out"), py::arg("g_s"), py::arg("s"), py::arg("mean"), py::arg("rstd"),
         py::arg("weight"), py::arg("ds"), py::arg("dw"), py::arg("db"));
   m.def("gemm_bias_gelu", &mpzero::gemm_bias_gelu,

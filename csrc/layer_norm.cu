@@ -1,10 +1,13 @@
-// LayerNorm over the last dim H of [R, H] rows, optionally after a residual add, forward
-// and backward in one pass each (the pre-LN transformer's `s = x + y; out = LN(s)`):
+// LayerNorm or RMSNorm over the last dim H of [R, H] rows, optionally after a residual
+// add, forward and backward in one pass each (the pre-LN transformer's `s = x + y;
+// out = LN(s)`):
 //   forward   s = x + y (rounded to the dtype, as an eager add writes it; s = x without y)
 //             out = (s - mean) * rstd * w + b       mean, rstd: fp32 [R]
 //   backward  ds = rstd * (dxh - mean(dxh) - xhat * mean(dxh * xhat)) + g_s,
 //             dxh = g_out * w, xhat = (s - mean) * rstd
 //             dw = sum over rows of g_out * xhat, db = sum over rows of g_out
+// RMSNorm (kRms) is the same with mean = 0 (rstd = 1 / sqrt(mean(s^2) + eps)) and no
+// mean(dxh) term in ds; no mean is stored.
 // One row is normalized by a group of H/8 threads (each holding 8 columns in registers);
 // a block holds up to kMaxGroups row groups. The backward's dw, db are fp32 sums per
 // block of a fixed row range, then added over the blocks in a fixed order
@@ -63,7 +66,7 @@ __device__ __forceinline__ void load8_or_zero(const T* p, bool active, float (&v
 
 // Every group of the block runs the same number of row steps (the block-wide barriers in
 // group_sum); rows past the block's range are computed on zeros and not written.
-template <typename T, bool kAdd, bool kBias>
+template <typename T, bool kAdd, bool kBias, bool kRms>
 __global__ void __launch_bounds__(kMaxRowThreads)
     layer_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ y,
                               const T* __restrict__ w, const T* __restrict__ b,
@@ -100,11 +103,14 @@ __global__ void __launch_bounds__(kMaxRowThreads)
       for (int k = 0; k < kVec; ++k) v[k] = to_float(from_float<T>(v[k] + yv[k]));
       if (active) store8_wide(s_out + r * H + c0, v);
     }
-    float sum[1] = {0.0f};
+    float mu = 0.0f;
+    if constexpr (!kRms) {
+      float sum[1] = {0.0f};
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) sum[0] += v[k];
-    group_sum<1>(sum, scratch, shape.row_threads);
-    const float mu = sum[0] / static_cast<float>(H);
+      for (int k = 0; k < kVec; ++k) sum[0] += v[k];
+      group_sum<1>(sum, scratch, shape.row_threads);
+      mu = sum[0] / static_cast<float>(H);
+    }
     float sq[1] = {0.0f};
     if (active)
 #pragma unroll
@@ -120,14 +126,14 @@ __global__ void __launch_bounds__(kMaxRowThreads)
       }
       store8_wide(out + r * H + c0, o);
       if (t == 0) {
-        mean[r] = mu;
+        if constexpr (!kRms) mean[r] = mu;
         rstd[r] = rs;
       }
     }
   }
 }
 
-template <typename T, bool kResGrad>
+template <typename T, bool kResGrad, bool kRms>
 __global__ void __launch_bounds__(kMaxRowThreads)
     layer_norm_backward_kernel(const T* __restrict__ g_out, const T* __restrict__ g_s,
                                const T* __restrict__ s, const float* __restrict__ mean,
@@ -161,18 +167,23 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     const bool next = col && rn < end;
     ng = load_raw8_or_zero(g_out + (next ? rn : 0) * H + c0, next);
     ns = load_raw8_or_zero(s + (next ? rn : 0) * H + c0, next);
-    const float mu = r < end ? mean[r] : 0.0f, rs = r < end ? rstd[r] : 0.0f;
-    float sums[2] = {0.0f, 0.0f};  // sum of dxh, sum of dxh * xhat
+    const float mu = kRms || r >= end ? 0.0f : mean[r], rs = r < end ? rstd[r] : 0.0f;
+    // sums: of dxh * xhat, then (LayerNorm) of dxh
+    constexpr int kSums = kRms ? 1 : 2;
+    float sums[kSums];
+#pragma unroll
+    for (int j = 0; j < kSums; ++j) sums[j] = 0.0f;
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       xh[k] = active ? (xh[k] - mu) * rs : 0.0f;
-      sums[0] += g[k] * wv[k];
-      sums[1] += g[k] * wv[k] * xh[k];
+      sums[0] += g[k] * wv[k] * xh[k];
+      if constexpr (!kRms) sums[kSums - 1] += g[k] * wv[k];
       acc_w[k] += g[k] * xh[k];
-      acc_b[k] += g[k];
+      if constexpr (!kRms) acc_b[k] += g[k];
     }
-    group_sum<2>(sums, scratch, shape.row_threads);
-    const float a = sums[0] / static_cast<float>(H), c = sums[1] / static_cast<float>(H);
+    group_sum<kSums>(sums, scratch, shape.row_threads);
+    const float c = sums[0] / static_cast<float>(H);
+    const float a = kRms ? 0.0f : sums[kSums - 1] / static_cast<float>(H);
     if (active) {
       float d[kVec];
       if constexpr (kResGrad) raw8_to_float(gs, d);
@@ -244,9 +255,9 @@ void check_vector(const at::Tensor& t, const at::Tensor& like, int64_t H, const 
               num(H), " elements of x's dtype");
 }
 
-void check_stats(const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& like,
-                 int64_t R, const char* who) {
-  for (const at::Tensor* t : {&mean, &rstd})
+void check_stats(const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
+                 const at::Tensor& like, int64_t R, const char* who) {
+  for (const at::Tensor* t : {mean ? &*mean : &rstd, &rstd})
     TORCH_CHECK(t->is_cuda() && t->is_contiguous() && t->numel() == R &&
                     t->scalar_type() == at::kFloat && t->device() == like.device(),
                 who, ": mean and rstd must be contiguous fp32 CUDA tensors of ", num(R),
@@ -266,8 +277,11 @@ int64_t checked_width(const at::Tensor& x, const char* who) {
 
 void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const at::Tensor& w,
                         std::optional<at::Tensor> b, std::optional<at::Tensor> s_out,
-                        at::Tensor out, at::Tensor mean, at::Tensor rstd, double eps) {
+                        at::Tensor out, std::optional<at::Tensor> mean, at::Tensor rstd,
+                        double eps) {
   const char* who = "mpzero.layer_norm_forward";
+  const bool rms = !mean.has_value();
+  TORCH_CHECK(!(rms && b), who, ": RMSNorm (no mean given) takes no bias");
   const int64_t H = checked_width(x, who), R = x.size(0);
   check_rows(x, x, who, "x");
   TORCH_CHECK(y.has_value() == s_out.has_value(), who, ": y and s_out go together");
@@ -286,32 +300,37 @@ void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const 
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto add, auto bias) {
-      layer_norm_forward_kernel<T, decltype(add)::value, decltype(bias)::value>
+    auto launch = [&](auto add, auto bias, auto rms_norm) {
+      layer_norm_forward_kernel<T, decltype(add)::value, decltype(bias)::value,
+                                decltype(rms_norm)::value>
           <<<static_cast<unsigned>(blocks), sh.row_threads * sh.groups, 0, stream>>>(
               static_cast<const T*>(x.data_ptr()),
               y ? static_cast<const T*>(y->data_ptr()) : nullptr,
               static_cast<const T*>(w.data_ptr()),
               b ? static_cast<const T*>(b->data_ptr()) : nullptr,
               s_out ? static_cast<T*>(s_out->data_ptr()) : nullptr,
-              static_cast<T*>(out.data_ptr()), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-              R, H, sh, static_cast<float>(eps));
+              static_cast<T*>(out.data_ptr()), mean ? mean->data_ptr<float>() : nullptr,
+              rstd.data_ptr<float>(), R, H, sh, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     using Yes = std::true_type;
     using No = std::false_type;
-    if (y && b) launch(Yes{}, Yes{});
-    else if (y) launch(Yes{}, No{});
-    else if (b) launch(No{}, Yes{});
-    else launch(No{}, No{});
+    if (rms && y) launch(Yes{}, No{}, Yes{});
+    else if (rms) launch(No{}, No{}, Yes{});
+    else if (y && b) launch(Yes{}, Yes{}, No{});
+    else if (y) launch(Yes{}, No{}, No{});
+    else if (b) launch(No{}, Yes{}, No{});
+    else launch(No{}, No{}, No{});
   }, who, ": float32, float16 or bfloat16");
 }
 
 void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
-                         const at::Tensor& s, const at::Tensor& mean, const at::Tensor& rstd,
-                         const at::Tensor& w, at::Tensor ds, at::Tensor dw,
-                         std::optional<at::Tensor> db) {
+                         const at::Tensor& s, const std::optional<at::Tensor>& mean,
+                         const at::Tensor& rstd, const at::Tensor& w, at::Tensor ds,
+                         at::Tensor dw, std::optional<at::Tensor> db) {
   const char* who = "mpzero.layer_norm_backward";
+  const bool rms = !mean.has_value();
+  TORCH_CHECK(!(rms && db), who, ": RMSNorm (no mean given) has no bias gradient");
   const int64_t H = checked_width(s, who), R = s.size(0);
   check_rows(s, s, who, "s");
   check_rows(g_out, s, who, "g_out");
@@ -335,18 +354,22 @@ void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
   float* pb = db ? pw + blocks * H : nullptr;
   dispatch_float(s.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    auto launch = [&](auto res) {
-      layer_norm_backward_kernel<T, decltype(res)::value>
+    auto launch = [&](auto res, auto rms_norm) {
+      layer_norm_backward_kernel<T, decltype(res)::value, decltype(rms_norm)::value>
           <<<static_cast<unsigned>(blocks), sh.row_threads * sh.groups, 0, stream>>>(
               static_cast<const T*>(g_out.data_ptr()),
               g_s ? static_cast<const T*>(g_s->data_ptr()) : nullptr,
-              static_cast<const T*>(s.data_ptr()), mean.data_ptr<float>(),
+              static_cast<const T*>(s.data_ptr()), mean ? mean->data_ptr<float>() : nullptr,
               rstd.data_ptr<float>(), static_cast<const T*>(w.data_ptr()),
               static_cast<T*>(ds.data_ptr()), pw, pb, R, H, sh);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (g_s) launch(std::true_type{});
-    else launch(std::false_type{});
+    using Yes = std::true_type;
+    using No = std::false_type;
+    if (g_s && rms) launch(Yes{}, Yes{});
+    else if (g_s) launch(Yes{}, No{});
+    else if (rms) launch(No{}, Yes{});
+    else launch(No{}, No{});
     colsum::finish_rows<T>(pw, blocks, H, static_cast<T*>(dw.data_ptr()));
     if (db) colsum::finish_rows<T>(pb, blocks, H, static_cast<T*>(db->data_ptr()));
   }, who, ": float32, float16 or bfloat16");

@@ -95,15 +95,18 @@ void bias_gelu_backward(const at::Tensor& x, const at::Tensor& bias, const at::T
                         at::Tensor dx, at::Tensor dbias, bool tanh_approx);
 
 // LayerNorm of [R, H] rows after an optional residual add (see layer_norm.cu):
-// s = x + y (into s_out; y and s_out together), out = LN(s) * w + b, mean/rstd fp32 [R].
+// s = x + y (into s_out; y and s_out together), out = LN(s) * w + b, mean/rstd fp32 [R];
+// without mean, RMSNorm (no bias): out = s * rstd * w.
 void layer_norm_forward(const at::Tensor& x, std::optional<at::Tensor> y, const at::Tensor& w,
                         std::optional<at::Tensor> b, std::optional<at::Tensor> s_out,
-                        at::Tensor out, at::Tensor mean, at::Tensor rstd, double eps);
-// Its backward: ds = LN'(g_out) + g_s, dw, db (fp32 column sums in a fixed order).
+                        at::Tensor out, std::optional<at::Tensor> mean, at::Tensor rstd,
+                        double eps);
+// Its backward: ds = LN'(g_out) + g_s, dw, db (fp32 column sums in a fixed order); without
+// mean, RMSNorm's (no db).
 void layer_norm_backward(const at::Tensor& g_out, std::optional<at::Tensor> g_s,
-                         const at::Tensor& s, const at::Tensor& mean, const at::Tensor& rstd,
-                         const at::Tensor& w, at::Tensor ds, at::Tensor dw,
-                         std::optional<at::Tensor> db);
+                         const at::Tensor& s, const std::optional<at::Tensor>& mean,
+                         const at::Tensor& rstd, const at::Tensor& w, at::Tensor ds,
+                         at::Tensor dw, std::optional<at::Tensor> db);
 
 // The gradient of a fused projection split into heads (see heads_grad.cu): grads are n
 // [B, H, T, D] tensors; dy [B*T, H*n*D] gets dy[b*T + t, (h*n + j)*D + d] = grads[j][b, h, t, d]

@@ -82,8 +82,8 @@ class GPTConfig:
     # pass that also makes the bias gradient (mpzero.tensor_parallel.heads; where the
     # activations and weights share a dtype); the same function.
     heads_grad_fusion: bool = True
-    # LayerNorm forward and backward one kernel each, the residual add before ln_2 in the
-    # same pass (mpzero.tensor_parallel.layer_norm; LayerNorm where the activations and
+    # LayerNorm or RMSNorm forward and backward one kernel each, the residual add before
+    # ln_2 in the same pass (mpzero.tensor_parallel.layer_norm; where the activations and
     # weights share a dtype); the same function.
     layernorm_fusion: bool = False
 
@@ -170,19 +170,22 @@ class Norm(nn.Module):
         return w, b
 
     def fusable(self, x: torch.Tensor) -> bool:
-        """The fused LayerNorm applies: LayerNorm (not RMSNorm), activations in the
-        weights' dtype, no autocast."""
-        return (not self.rms and x.dtype == self.weight.dtype
-                and not torch.is_autocast_enabled(x.device.type))
+        """The fused kernels apply (LayerNorm or RMSNorm): activations in the weights'
+        dtype, no autocast."""
+        return x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
 
     def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(s, self(s))`` with ``s = x + y``, in one pass (needs :meth:`fusable`)."""
         w, b = self._params()
+        if self.rms:
+            return tp.add_rms_norm(x, y, w, self.eps)
         return tp.add_layer_norm(x, y, w, b, self.eps)
 
     def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x)`` by the fused kernels (needs :meth:`fusable`)."""
         w, b = self._params()
+        if self.rms:
+            return tp.fused_rms_norm(x, w, self.eps)
         return tp.fused_layer_norm(x, w, b, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -98,9 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the bias gradient in one pass (where activations and weights share a "
                         "dtype); the same function")
     g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=False,
-                   help="LayerNorm forward and backward one kernel each, with the residual "
-                        "add before the second norm of a block in the same pass (LayerNorm "
-                        "where activations and weights share a dtype); the same function")
+                   help="LayerNorm (or RMSNorm) forward and backward one kernel each, with "
+                        "the residual add before the second norm of a block in the same pass "
+                        "(where activations and weights share a dtype); the same function")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="KV heads with --group-query-attention (split over TP when >= tp)")

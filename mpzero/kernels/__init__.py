@@ -344,12 +344,12 @@ def _layer_norm_on_cuda(rows: Sequence[torch.Tensor | None],
 
 
 def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                       bias: torch.Tensor | None, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       bias: torch.Tensor | None, eps: float, rms: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """LayerNorm over the last dim of ``x [R, H]`` after an optional residual add ``s = x
     + y``: ``(out, s, mean, rstd)`` (``s`` is ``x`` without ``y``; ``mean``, ``rstd``
     fp32 per row), one pass on CUDA; else :func:`mpzero.kernels.reference.layer_norm_forward`
-    (same contract)."""
+    (same contract). ``rms``: RMSNorm (``mean`` is ``None``; no bias)."""
     if x.dim() != 2 or (y is not None and y.shape != x.shape):
         raise ValueError(f"layer_norm_forward: x [R, H] and y of its shape expected, got "
                          f"{tuple(x.shape)} and {None if y is None else tuple(y.shape)}")
@@ -357,21 +357,26 @@ def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Te
         raise ValueError(f"layer_norm_forward: weight and bias must have {x.shape[1]} "
                          f"elements, got {tuple(weight.shape)} and "
                          f"{None if bias is None else tuple(bias.shape)}")
+    if rms and bias is not None:
+        raise ValueError("layer_norm_forward: RMSNorm (rms=True) takes no bias")
     if _layer_norm_on_cuda([x, y], [weight, bias]):
-        return _cuda.layer_norm_forward(x, y, weight, bias, eps)
-    return reference.layer_norm_forward(x, y, weight, bias, eps)
+        return _cuda.layer_norm_forward(x, y, weight, bias, eps, rms)
+    return reference.layer_norm_forward(x, y, weight, bias, eps, rms)
 
 
 def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
-                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        mean: torch.Tensor | None, rstd: torch.Tensor, weight: torch.Tensor,
                         with_bias: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of :func:`layer_norm_forward`: ``(ds, dw, db)`` from the output's
     gradient ``g_out`` and the gradient ``g_s`` that reaches ``s`` by other paths (the
     residual stream; ``None``: none), ``dw``/``db`` as fp32 column sums in a fixed order
-    on CUDA; else :func:`mpzero.kernels.reference.layer_norm_backward`."""
-    ok = (mean.dtype == rstd.dtype == torch.float32 and mean.is_contiguous()
-          and rstd.is_contiguous() and mean.shape == rstd.shape == (s.shape[0],))
+    on CUDA; else :func:`mpzero.kernels.reference.layer_norm_backward`. ``mean`` ``None``:
+    RMSNorm's backward (``with_bias`` must be false)."""
+    if mean is None and with_bias:
+        raise ValueError("layer_norm_backward: RMSNorm (mean None) has no bias gradient")
+    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (s.shape[0],)
+             for t in (mean, rstd) if t is not None)
     if ok and _layer_norm_on_cuda([s, g_out, g_s], [weight]):
         return _cuda.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, with_bias)
     return reference.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, with_bias)

@@ -294,19 +294,19 @@ def layer_norm_available() -> bool:
 
 
 def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                       bias: torch.Tensor | None, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       bias: torch.Tensor | None, eps: float, rms: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     out = torch.empty_like(x)
     s = torch.empty_like(x) if y is not None else x
-    mean = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    rstd = torch.empty_like(mean)
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty_like(rstd)
     _C.layer_norm_forward(x, y, weight, bias, s if y is not None else None, out, mean, rstd,
                           eps)
     return out, s, mean, rstd
 
 
 def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
-                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        mean: torch.Tensor | None, rstd: torch.Tensor, weight: torch.Tensor,
                         with_bias: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     ds = torch.empty_like(s)

@@ -291,37 +291,47 @@ def heads_grad(grads: Sequence[torch.Tensor],
 
 
 def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
-                       bias: torch.Tensor | None, eps: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       bias: torch.Tensor | None, eps: float, rms: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """LayerNorm over the last dim of ``[R, H]`` rows after an optional residual add:
     ``(out, s, mean, rstd)`` with ``s = x + y`` as an eager add writes it (``s = x``
     without ``y``), ``mean``, ``rstd = 1 / sqrt(var + eps)`` of ``s`` per row (fp32, or
     fp64 for fp64 input; biased variance) and ``out = (s - mean) * rstd * weight + bias``
-    computed wide and rounded once."""
+    computed wide and rounded once. ``rms``: RMSNorm, ``mean`` is ``None`` and taken as
+    0 (``rstd = 1 / sqrt(mean(s^2) + eps)``, ``out = s * rstd * weight``; no bias)."""
+    if rms and bias is not None:
+        raise ValueError("layer_norm_forward: RMSNorm (rms=True) takes no bias")
     s = x + y if y is not None else x
     sw = _wide(s)
-    mean = sw.mean(-1)
-    rstd = torch.rsqrt((sw - mean.unsqueeze(-1)).square().mean(-1) + eps)
-    out = (sw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1) * _wide(weight)
+    mean = None if rms else sw.mean(-1)
+    centered = sw if rms else sw - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centered.square().mean(-1) + eps)
+    out = centered * rstd.unsqueeze(-1) * _wide(weight)
     if bias is not None:
         out = out + _wide(bias)
     return out.to(x.dtype), s, mean, rstd
 
 
 def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.Tensor,
-                        mean: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                        mean: torch.Tensor | None, rstd: torch.Tensor, weight: torch.Tensor,
                         with_bias: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The backward of :func:`layer_norm_forward` (all ``[R, H]`` but the per-row
     ``mean``, ``rstd`` and ``weight [H]``): ``(ds, dw, db)`` with ``xhat = (s - mean) *
     rstd``, ``dxh = g_out * weight``, ``ds = rstd * (dxh - mean(dxh) - xhat * mean(dxh *
     xhat)) + g_s`` (rounded once), ``dw`` the column sums of ``g_out * xhat`` and ``db``
-    those of ``g_out`` (``None`` unless ``with_bias``), computed wide."""
+    those of ``g_out`` (``None`` unless ``with_bias``), computed wide. ``mean`` ``None``:
+    RMSNorm's backward (``xhat = s * rstd``, no ``mean(dxh)`` term, no bias)."""
+    if mean is None and with_bias:
+        raise ValueError("layer_norm_backward: RMSNorm (mean None) has no bias gradient")
     g = _wide(g_out)
-    xhat = (_wide(s) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+    sw = _wide(s)
+    xhat = (sw if mean is None else sw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     dxh = g * _wide(weight)
-    ds = rstd.unsqueeze(-1) * (dxh - dxh.mean(-1, keepdim=True)
-                               - xhat * (dxh * xhat).mean(-1, keepdim=True))
+    ds = dxh - xhat * (dxh * xhat).mean(-1, keepdim=True)
+    if mean is not None:
+        ds = ds - dxh.mean(-1, keepdim=True)
+    ds = rstd.unsqueeze(-1) * ds
     if g_s is not None:
         ds = ds + _wide(g_s)
     dw = (g * xhat).sum(0).to(weight.dtype)

@@ -17,7 +17,12 @@ from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mpzero.tensor_parallel.gelu_mlp import gelu_mlp, parallel_gelu_mlp
 from mpzero.tensor_parallel.heads import linear_heads, split_heads
-from mpzero.tensor_parallel.layer_norm import add_layer_norm, fused_layer_norm
+from mpzero.tensor_parallel.layer_norm import (
+    add_layer_norm,
+    add_rms_norm,
+    fused_layer_norm,
+    fused_rms_norm,
+)
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -60,7 +65,9 @@ __all__ = [
     "linear_heads",
     "split_heads",
     "add_layer_norm",
+    "add_rms_norm",
     "fused_layer_norm",
+    "fused_rms_norm",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",

@@ -257,6 +257,19 @@ def test_gradient_accumulation_fusion_flag():
         pretrain_gpt.parse_args(["--gradient-accumulation-fusion", "--optimizer", "adamw"])
 
 
+def _graph_names(t: torch.Tensor) -> str:
+    """The names of every autograd node behind ``t``, joined."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return " ".join(names)
+
+
 def _same_model_either_way(check=None, **cfg):
     """Loss and every gradient of ``GPT(GPTConfig(**CFG, **cfg, <option>=False))`` and of
     the same with ``True`` (the ``option`` key of ``cfg`` names it) are equal; ``check``
@@ -324,18 +337,20 @@ def test_heads_grad_fusion_is_the_same_model(groups):
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_layernorm_fusion_is_the_same_model(normalization):
-    """``layernorm_fusion`` (``--layernorm-fusion``): the blocks' LayerNorms by the fused
-    ops (ln_2 with the residual add before it) give the unfused model's loss and
-    gradients; RMSNorm and autocast stay unfused."""
+    """``layernorm_fusion`` (``--layernorm-fusion``): the blocks' norms (LayerNorm or
+    RMSNorm) by the fused ops (ln_2 with the residual add before it) give the unfused
+    model's loss and gradients, and the block runs them exactly when the option is on;
+    under autocast it stays unfused."""
     def check(model, fusion):
         block = model.blocks[0]
         with torch.no_grad():  # a non-trivial norm, so a wrong weight/bias gradient shows
             block.ln_2.weight.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(4))
-        x = torch.randn(2, 3, CFG["hidden_size"])
-        assert block.ln_1.fusable(x) == (normalization == "LayerNorm")
+        x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
+        assert block.ln_1.fusable(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not block.ln_1.fusable(x)
         assert block.layernorm_fusion == fusion
+        assert ("mpzero_layer_norm_forward" in _graph_names(block(x))) == fusion
 
     _same_model_either_way(check, option="layernorm_fusion", normalization=normalization)
 

@@ -1,7 +1,7 @@
-"""The CUDA LayerNorm kernels (residual add + LayerNorm, forward and backward) against the
-PyTorch reference and F.layer_norm: outputs within a few units of the dtype's rounding,
-the weight and bias gradients within fp32 summation order, deterministic; the fused ops
-eager and compiled against the unfused add + F.layer_norm."""
+"""The CUDA LayerNorm kernels (residual add + LayerNorm or RMSNorm, forward and backward)
+against the PyTorch reference and F.layer_norm / F.rms_norm: outputs within a few units of
+the dtype's rounding, the weight and bias gradients within fp32 summation order,
+deterministic; the fused ops eager and compiled against the unfused add + norm."""
 
 import pytest
 import torch
@@ -9,7 +9,12 @@ import torch.nn.functional as F
 
 from mpzero import kernels
 from mpzero.kernels import reference
-from mpzero.tensor_parallel.layer_norm import add_layer_norm, fused_layer_norm
+from mpzero.tensor_parallel.layer_norm import (
+    add_layer_norm,
+    add_rms_norm,
+    fused_layer_norm,
+    fused_rms_norm,
+)
 from mpzero.testing import skip_module_without_extension
 
 skip_module_without_extension()
@@ -50,6 +55,36 @@ def test_forward_equals_reference(dtype, R, H, add, bias):
     torch.testing.assert_close(mean, rmean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rstd, rrstd, rtol=1e-5, atol=1e-5)
     _close(out, rout, dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("R,H", SHAPES)
+@pytest.mark.parametrize("add", [True, False])
+def test_rms_forward_equals_reference(dtype, R, H, add):
+    x, y, w, _ = _inputs(R, H, dtype)
+    y = y if add else None
+    out, s, mean, rstd = kcuda.layer_norm_forward(x, y, w, None, 1e-5, rms=True)
+    rout, rs, rmean, rrstd = reference.layer_norm_forward(x, y, w, None, 1e-5, rms=True)
+    assert mean is None and rmean is None
+    assert torch.equal(s, rs)
+    torch.testing.assert_close(rstd, rrstd, rtol=1e-5, atol=1e-5)
+    _close(out, rout, dtype, "out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,H", SHAPES)
+@pytest.mark.parametrize("res", [True, False])
+def test_rms_backward_equals_reference(dtype, R, H, res):
+    x, _, w, _ = _inputs(R, H, dtype)
+    _, _, _, rstd = reference.layer_norm_forward(x, None, w, None, 1e-5, rms=True)
+    g_out = _inputs(R, H, dtype, seed=1)[1]
+    g_s = _inputs(R, H, dtype, seed=2)[1] if res else None
+    ds, dw, db = kcuda.layer_norm_backward(g_out, g_s, x, None, rstd, w, False)
+    rds, rdw, _ = reference.layer_norm_backward(g_out, g_s, x, None, rstd, w, False)
+    assert db is None
+    _close(ds, rds, dtype, "ds")
+    scale_w = (g_out.float() * x.float() * rstd[:, None]).abs().sum(0).clamp_min(1.0)
+    assert float(((dw.float() - rdw.float()).abs() / scale_w).max()) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -121,20 +156,26 @@ def test_kernel_errors_name_the_problem():
                                torch.empty_like(w), None)
 
 
+@pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_ops_against_unfused(compiled, dtype):
+def test_fused_ops_against_unfused(compiled, dtype, rms):
     x, y, w, b = _inputs(2 * 128, 1024, dtype, seed=5)
     x, y = x.view(2, 128, 1024), y.view(2, 128, 1024)
     gs, go = _inputs(2 * 128, 1024, dtype, seed=6)[:2]
     gs, go = gs.view_as(x), go.view_as(x)
 
     def fused(x, y, w, b):
+        if rms:
+            s, o = add_rms_norm(x, y, w)
+            return s, o, fused_rms_norm(s, w)
         s, o = add_layer_norm(x, y, w, b)
         return s, o, fused_layer_norm(s, w, None)
 
     def plain(x, y, w, b):
         s = x + y
+        if rms:
+            return s, F.rms_norm(s, (1024,), w, 1e-5), F.rms_norm(s, (1024,), w, 1e-5)
         return s, F.layer_norm(s, (1024,), w, b), F.layer_norm(s, (1024,), w, None)
 
     results = []
@@ -147,4 +188,7 @@ def test_fused_ops_against_unfused(compiled, dtype):
         results.append([s, o, o2] + [t.grad for t in leaves])
     names = ["s", "out", "out (no add)", "dx", "dy", "dw", "db"]
     for name, a, r in zip(names, *results):
+        if r is None:  # RMSNorm: no bias gradient either way
+            assert a is None, name
+            continue
         _close(a, r, dtype, name)

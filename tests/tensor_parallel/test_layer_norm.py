@@ -1,7 +1,7 @@
-"""add_layer_norm / fused_layer_norm (the PyTorch reference path, as on CPU) against the
-unfused add + F.layer_norm: values and every gradient, with and without bias, fp64 /
-fp32 / bf16, compiled, the custom ops' fake shapes; the kernels' contract functions;
-errors that name the problem."""
+"""add_layer_norm / fused_layer_norm and add_rms_norm / fused_rms_norm (the PyTorch
+reference path, as on CPU) against the unfused add + F.layer_norm / F.rms_norm: values
+and every gradient, with and without bias, fp64 / fp32 / bf16, compiled, the custom ops'
+fake shapes; the kernels' contract functions; errors that name the problem."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mpzero import kernels
 from mpzero.kernels import reference
-from mpzero.tensor_parallel import add_layer_norm, fused_layer_norm
+from mpzero.tensor_parallel import add_layer_norm, add_rms_norm, fused_layer_norm, fused_rms_norm
 
 # fp64: rounding only; fp32: a few ulps of the sums; bf16: one rounding of the result.
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
@@ -42,6 +42,16 @@ def _plain(x, y, w, b):
     return s, F.layer_norm(s, (s.shape[-1],), w, b), F.layer_norm(x, (x.shape[-1],), w, b)
 
 
+def _fused_rms(x, y, w, b):
+    s, o = add_rms_norm(x, y, w)
+    return s, o, fused_rms_norm(x, w)
+
+
+def _plain_rms(x, y, w, b):
+    s = x + y
+    return s, F.rms_norm(s, (s.shape[-1],), w, 1e-5), F.rms_norm(x, (x.shape[-1],), w, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(4, 5, 64), (3, 24), (1, 1, 8)])
@@ -60,6 +70,35 @@ def test_against_unfused(dtype, bias, shape):
         assert err <= TOL[dtype], f"{name}: {err}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 5, 64), (3, 24), (1, 1, 8)])
+def test_rms_against_unfused(dtype, shape):
+    gen = torch.Generator().manual_seed(9)
+    gs, go = (torch.randn(*shape, generator=gen).to(dtype) for _ in range(2))
+    got = _run(_fused_rms, _leaves(shape, dtype, False), gs, go)
+    want = _run(_plain_rms, _leaves(shape, dtype, False), gs, go)
+    # bf16: F.rms_norm rounds the normalized rows before the weight multiplies them (two
+    # roundings), the fused op rounds once.
+    tol = 2 * TOL[dtype] if dtype == torch.bfloat16 else TOL[dtype]
+    for name, a, r in zip(["s", "out", "out (no add)", "dx", "dy", "dw"], got, want):
+        scale = r.double().abs().max().clamp_min(1.0)
+        err = float((a.double() - r.double()).abs().max() / scale)
+        assert err <= tol, f"{name}: {err}"
+
+
+def test_rms_reference_backward_is_the_forward_derivative():
+    x, y, w, _ = _leaves((6, 16), torch.float64, bias=False)
+    out, s, mean, rstd = reference.layer_norm_forward(x, y, w, None, 1e-5, rms=True)
+    assert mean is None
+    g_out, g_s = torch.randn(6, 16, dtype=torch.float64), torch.randn(6, 16, dtype=torch.float64)
+    torch.autograd.backward([out, s], [g_out, g_s])
+    ds, dw, db = reference.layer_norm_backward(g_out, g_s, s.detach(), None, rstd.detach(),
+                                               w.detach(), False)
+    torch.testing.assert_close(ds, x.grad)
+    torch.testing.assert_close(dw, w.grad)
+    assert db is None
+
+
 def test_compiled_matches_eager():
     leaves = _leaves((2, 16, 32), torch.float32)
     gs, go = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
@@ -70,11 +109,14 @@ def test_compiled_matches_eager():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_fake_shapes_under_inductor():
-    leaves = _leaves((3, 40), torch.float32)
-    compiled = torch.compile(_fused, backend="inductor", fullgraph=True)
+@pytest.mark.parametrize("rms", [False, True])
+def test_fake_shapes_under_inductor(rms):
+    fused, plain = (_fused_rms, _plain_rms) if rms else (_fused, _plain)
+    leaves = _leaves((3, 40), torch.float32, bias=not rms)
+    compiled = torch.compile(fused, backend="inductor", fullgraph=True)
     got = _run(compiled, leaves, torch.ones(3, 40), torch.ones(3, 40))
-    want = _run(_plain, _leaves((3, 40), torch.float32), torch.ones(3, 40), torch.ones(3, 40))
+    want = _run(plain, _leaves((3, 40), torch.float32, bias=not rms), torch.ones(3, 40),
+                torch.ones(3, 40))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
 
@@ -124,3 +166,9 @@ def test_errors_name_the_problem():
         fused_layer_norm(x, w, b[:3])
     with pytest.raises(ValueError, match=r"x \[R, H\]"):
         kernels.layer_norm_forward(x.view(2, 2, 4), None, w[:4], None, 1e-5)
+    with pytest.raises(ValueError, match="RMSNorm .* takes no bias"):
+        kernels.layer_norm_forward(x, None, w, b, 1e-5, rms=True)
+    with pytest.raises(ValueError, match="RMSNorm .* has no bias gradient"):
+        kernels.layer_norm_backward(x, None, x, None, x[:, 0], w, True)
+    with pytest.raises(ValueError, match="add_rms_norm: x and y must have one shape"):
+        add_rms_norm(x, y[:1], w)
