@@ -104,13 +104,15 @@ def test_sequence_parallel_with_dfa_equals_tp1(world, world_size):
         assert "blocks.1.mlp.fc.bias" not in r["marked"]
 
 
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             num_query_groups=1, untie_embeddings_and_output_weights=True,
+             add_bias_linear=False)
+
+
 @pytest.mark.timeout(120)
 def test_sequence_parallel_llama_blocks_with_dfa(world):
     """RMSNorm, SwiGLU, RoPE, GQA with replicated KV (1 group < TP 2), untied output."""
-    extra = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                 num_query_groups=1, untie_embeddings_and_output_weights=True,
-                 add_bias_linear=False)
-    for r in world(2, _sp_with_dfa, 2, extra):
+    for r in world(2, _sp_with_dfa, 2, LLAMA):
         for got, ref in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
             assert abs(got - ref) <= 1e-5 * abs(ref), r
         bad = {n: e for n, e in r["err"].items() if not e <= WEIGHT_TOL}
@@ -119,10 +121,13 @@ def test_sequence_parallel_llama_blocks_with_dfa(world):
 
 
 @pytest.mark.timeout(120)
-def test_sequence_parallel_with_layernorm_fusion(world):
-    """--layernorm-fusion under sequence parallelism: the fused norms' weight and bias
-    gradients (partial over TP, each rank's tokens) are all-reduced like the unfused ones."""
-    for r in world(2, _sp_with_dfa, 2, {"layernorm_fusion": True}):
+@pytest.mark.parametrize("blocks", ["gpt", "llama"])
+def test_sequence_parallel_with_layernorm_fusion(world, blocks):
+    """--layernorm-fusion under sequence parallelism (LayerNorm; RMSNorm in the llama
+    blocks): the fused norms' weight and bias gradients (partial over TP, each rank's
+    tokens) are all-reduced like the unfused ones."""
+    extra = {"layernorm_fusion": True, **(LLAMA if blocks == "llama" else {})}
+    for r in world(2, _sp_with_dfa, 2, extra):
         for got, ref in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
             assert abs(got - ref) <= 1e-5 * abs(ref), r
         bad = {n: e for n, e in r["err"].items() if not e <= WEIGHT_TOL}
