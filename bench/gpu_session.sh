@@ -21,8 +21,8 @@
 #   gelu:      bench/bench_gelu.py (exact vs tanh GELU, fwd + bwd, compiled, 1.3B MLP shape)
 #   mlp:       bench/bench_mlp.py (the 1.3B MLP unfused vs GELU in the GEMMs' epilogues)
 #   heads:     bench/bench_heads_grad.py (the QKV gradient in one pass vs inductor's kernels)
-#   layernorm: the fused LayerNorm's GPU tests, bench/bench_layer_norm.py, and the 1.3B GA4
-#              dfa iteration with and without --layernorm-fusion
+#   layernorm: the fused LayerNorm's and RMSNorm's GPU tests, bench/bench_layer_norm.py (both
+#              norms), and the 1.3B GA4 dfa iteration with and without --layernorm-fusion
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -103,6 +103,7 @@ for s in $stages; do
     layernorm) stage layernorm-tests python3 -m pytest -q tests/gpu/test_layer_norm_cuda.py \
                  --timeout 120 -p no:cacheprovider
                stage layernorm python3 bench/bench_layer_norm.py --iters 30
+               stage rmsnorm python3 bench/bench_layer_norm.py --iters 30 --rms
                for ln in --layernorm-fusion --no-layernorm-fusion; do
                  stage "peers$ln" python3 bench/bench_gpt_peers.py --compile --openai-gelu \
                    --grad-acc 4 --setups dfa --warmup 3 --iters 5 $ln \
