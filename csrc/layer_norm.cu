@@ -54,16 +54,6 @@ __device__ __forceinline__ void group_sum(float (&v)[N], float* scratch, int row
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void load8_or_zero(const T* p, bool active, float (&v)[kVec]) {
-  if (active) {
-    load8(p, v);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = 0.0f;
-  }
-}
-
 // Every group of the block runs the same number of row steps (the block-wide barriers in
 // group_sum); rows past the block's range are computed on zeros and not written.
 template <typename T, bool kAdd, bool kBias, bool kRms>
@@ -78,8 +68,8 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   const int64_t c0 = (int64_t)t * kVec;
   const bool col = c0 < H;
   float wv[kVec], bv[kVec];
-  load8_or_zero(w + (col ? c0 : 0), col, wv);
-  if constexpr (kBias) load8_or_zero(b + (col ? c0 : 0), col, bv);
+  raw8_to_float(load_raw8_or_zero(w + (col ? c0 : 0), col), wv);
+  if constexpr (kBias) raw8_to_float(load_raw8_or_zero(b + (col ? c0 : 0), col), bv);
   const int64_t begin = (int64_t)blockIdx.x * shape.rows_per_block;
   const int64_t end = min(R, begin + shape.rows_per_block);
   // The next row's loads are issued before this row's reductions (double buffering; raw
@@ -146,7 +136,7 @@ __global__ void __launch_bounds__(kMaxRowThreads)
   const int64_t c0 = (int64_t)t * kVec;
   const bool col = c0 < H;
   float wv[kVec], acc_w[kVec], acc_b[kVec];
-  load8_or_zero(w + (col ? c0 : 0), col, wv);
+  raw8_to_float(load_raw8_or_zero(w + (col ? c0 : 0), col), wv);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) acc_w[k] = acc_b[k] = 0.0f;
   const int64_t begin = (int64_t)blockIdx.x * shape.rows_per_block;
