@@ -103,7 +103,11 @@ def _dev_scalar(x, device: torch.device, dtype=torch.float32) -> torch.Tensor:
     return x
 
 
-def _scalar_args(device, lr, step, grad_scale, found_inf):
+def _hyper(device, *, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode=True,
+           bias_correction=True, grad_scale=None, found_inf=None) -> tuple:
+    """The hyper-parameter arguments of ``_C.adam`` / ``_C.adam_remainders`` /
+    ``AdamPlan.run`` in their order: ``lr`` and ``step`` each as a host value or a
+    device tensor (the other one unused), scale and found-inf as device tensors."""
     if isinstance(lr, torch.Tensor):
         lr_f, lr_t = 0.0, _dev_scalar(lr, device)
     else:
@@ -114,91 +118,23 @@ def _scalar_args(device, lr, step, grad_scale, found_inf):
         step_i, step_t = int(step), None
     gs = None if grad_scale is None else _dev_scalar(grad_scale, device)
     fi = None if found_inf is None else _dev_scalar(found_inf, device)
-    return lr_f, lr_t, step_i, step_t, gs, fi
+    return (lr_f, lr_t, float(beta1), float(beta2), float(eps), float(weight_decay), step_i,
+            step_t, bool(adam_w_mode), bool(bias_correction), gs, fi)
 
 
-def adam(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    params_out=None,
-    *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    adam_w_mode=True,
-    bias_correction=True,
-    grad_scale=None,
-    found_inf=None,
-) -> None:
-    dev = params[0].device
-    lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
-    _C.adam(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(params_out) if params_out is not None else [],
-        lr_f,
-        lr_t,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        step_i,
-        step_t,
-        bool(adam_w_mode),
-        bool(bias_correction),
-        gs,
-        fi,
-    )
+def adam(params, grads, exp_avgs, exp_avg_sqs, params_out=None, **hyper) -> None:
+    """``_C.adam``; ``hyper`` as in :func:`mpzero.kernels.adam`."""
+    _C.adam(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+            list(params_out) if params_out is not None else [],
+            *_hyper(params[0].device, **hyper))
 
 
-def adam_remainders(
-    params_bf16,
-    remainders,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    params_out=None,
-    *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    adam_w_mode=True,
-    bias_correction=True,
-    grad_scale=None,
-    found_inf=None,
-) -> None:
-    dev = params_bf16[0].device
-    lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(dev, lr, step, grad_scale, found_inf)
-    _C.adam_remainders(
-        list(params_bf16),
-        list(remainders),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(params_out) if params_out is not None else [],
-        lr_f,
-        lr_t,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        step_i,
-        step_t,
-        bool(adam_w_mode),
-        bool(bias_correction),
-        gs,
-        fi,
-    )
+def adam_remainders(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out=None,
+                    **hyper) -> None:
+    """``_C.adam_remainders``; ``hyper`` as in :func:`mpzero.kernels.adam_remainders`."""
+    _C.adam_remainders(list(params_bf16), list(remainders), list(grads), list(exp_avgs),
+                       list(exp_avg_sqs), list(params_out) if params_out is not None else [],
+                       *_hyper(params_bf16[0].device, **hyper))
 
 
 class AdamPlan:
@@ -218,14 +154,9 @@ class AdamPlan:
     def entries(self) -> int:
         return self._plan.entries
 
-    def __call__(self, dynamic, *, lr, beta1, beta2, eps, weight_decay, step,
-                 adam_w_mode=True, bias_correction=True, grad_scale=None,
-                 found_inf=None) -> None:
-        lr_f, lr_t, step_i, step_t, gs, fi = _scalar_args(self._device, lr, step, grad_scale,
-                                                          found_inf)
-        self._plan.run(dynamic, lr_f, lr_t, float(beta1), float(beta2), float(eps),
-                       float(weight_decay), step_i, step_t, bool(adam_w_mode),
-                       bool(bias_correction), gs, fi)
+    def __call__(self, dynamic, **hyper) -> None:
+        """Launch with the per-step bases ``dynamic``; ``hyper`` as in :func:`adam`."""
+        self._plan.run(dynamic, *_hyper(self._device, **hyper))
 
 
 def adam_plan_available() -> bool:
