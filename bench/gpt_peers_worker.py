@@ -316,7 +316,7 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads-grad-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="every setup's QKV backward in one pass with its bias gradient, where "
                         "its dtypes allow (the example's flag)")
-    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="every setup's LayerNorms (and ln_2's residual add) one kernel each "
                         "way, where its dtypes allow (the example's flag)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,

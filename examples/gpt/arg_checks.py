@@ -153,4 +153,4 @@ def model_config(args, vocab_size: int) -> GPTConfig:
                      gelu_gemm_fusion=gelu_gemm,
                      gelu_gemm_keep_output=bool(getattr(args, "gelu_gemm_keep_output", True)),
                      heads_grad_fusion=bool(getattr(args, "heads_grad_fusion", True)),
-                     layernorm_fusion=bool(getattr(args, "layernorm_fusion", False)))
+                     layernorm_fusion=bool(getattr(args, "layernorm_fusion", True)))

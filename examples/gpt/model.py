@@ -85,7 +85,7 @@ class GPTConfig:
     # LayerNorm or RMSNorm forward and backward one kernel each, the residual add before
     # ln_2 in the same pass (mpzero.tensor_parallel.layer_norm; where the activations and
     # weights share a dtype); the same function.
-    layernorm_fusion: bool = False
+    layernorm_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the QKV projections' backward takes the heads' gradients and makes "
                         "the bias gradient in one pass (where activations and weights share a "
                         "dtype); the same function")
-    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=True,
                    help="LayerNorm (or RMSNorm) forward and backward one kernel each, with "
                         "the residual add before the second norm of a block in the same pass "
                         "(where activations and weights share a dtype); the same function")

@@ -95,9 +95,9 @@ def _attention_backends():
     assert default.heads_grad_fusion  # --heads-grad-fusion is on unless turned off
     off = arg_checks.model_config(pretrain_gpt.parse_args(["--no-heads-grad-fusion"]), 256)
     assert not off.heads_grad_fusion
-    assert not default.layernorm_fusion  # --layernorm-fusion: off unless asked for
-    on = arg_checks.model_config(pretrain_gpt.parse_args(["--layernorm-fusion"]), 256)
-    assert on.layernorm_fusion
+    assert default.layernorm_fusion  # --layernorm-fusion is on unless turned off
+    off = arg_checks.model_config(pretrain_gpt.parse_args(["--no-layernorm-fusion"]), 256)
+    assert not off.layernorm_fusion
     ps.destroy_model_parallel()
     return True
 
