@@ -5,11 +5,13 @@
 // reference compute the same bits. Templates cover (param dtype, grad dtype); the output
 // dtype is a run-time switch (9 + 3 kernels in all, to keep the build short).
 //
-// Capturable: lr, step and found_inf may be device pointers; the bias corrections are then
-// computed on the device in fp64, and a nonzero found_inf makes every block return before
-// touching memory.
+// Capturable: lr, step and found_inf may be device pointers; a one-thread kernel then
+// resolves them (the bias corrections in fp64) into four floats that every block reads,
+// and a nonzero found_inf makes every block return before touching memory.
 #include "mpzero.h"
 #include "multi_tensor_apply.cuh"
+
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,11 +27,24 @@ struct AdamScalars {
   int step_kind;            // 0 int64, 1 int32, 2 float32, 3 float64
   const float* grad_scale;  // nullable
   const float* found_inf;   // nullable
+  // nullable: {skip, lr, bc1_inv, bc2_inv} made once per launch from the device scalars
+  // above by resolve_scalars_kernel (set whenever lr_ptr, step_ptr or found_inf is)
+  const float* resolved;
   bool adam_w_mode, bias_correction;
 
-  // Resolve device scalars; true when found_inf says "skip".
+  // The device scalars (a block's start): true when found_inf says "skip".
   __device__ __forceinline__ bool resolve() {
-    if (found_inf != nullptr && *found_inf != 0.0f) return true;
+    if (resolved == nullptr) return false;
+    if (resolved[0] != 0.0f) return true;
+    lr = resolved[1];
+    bc1_inv = resolved[2];
+    bc2_inv = resolved[3];
+    return false;
+  }
+
+  // The values resolve() reads, from lr_ptr, step_ptr and found_inf (one thread).
+  __device__ void resolve_from_pointers(float* out) {
+    out[0] = (found_inf != nullptr && *found_inf != 0.0f) ? 1.0f : 0.0f;
     if (lr_ptr != nullptr) lr = *lr_ptr;
     if (step_ptr != nullptr && bias_correction) {
       double t;
@@ -42,7 +57,9 @@ struct AdamScalars {
       bc1_inv = (float)(1.0 / (1.0 - pow(beta1_d, t)));
       bc2_inv = (float)(1.0 / (1.0 - pow(beta2_d, t)));
     }
-    return false;
+    out[1] = lr;
+    out[2] = bc1_inv;
+    out[3] = bc2_inv;
   }
 
   // One element; p, m, v in/out, g in (already fp32).
@@ -61,6 +78,12 @@ struct AdamScalars {
     p = __fsub_rn(p, __fmul_rn(lr, u));
   }
 };
+
+// The bias corrections of a device step are two FP64 pows: made here once per launch, not
+// by every thread of every block (which took 2% of the capturable step on an H200).
+__global__ void resolve_scalars_kernel(AdamScalars s, float* out) {
+  s.resolve_from_pointers(out);
+}
 
 // Lists: 0 p (P), 1 g (G), 2 m (P), 3 v (P), 4 p_out (runtime dtype, nullable).
 template <typename P, typename G, bool kSplit>
@@ -221,7 +244,8 @@ AdamScalars make_scalars(double lr, const std::optional<at::Tensor>& lr_t, doubl
                          double beta2, double eps, double wd, int64_t step,
                          const std::optional<at::Tensor>& step_t, bool adam_w_mode,
                          bool bias_correction, const std::optional<at::Tensor>& grad_scale,
-                         const std::optional<at::Tensor>& found_inf, const at::Device& dev) {
+                         const std::optional<at::Tensor>& found_inf, const at::Device& dev,
+                         at::Tensor& resolved) {
   AdamScalars s{};
   s.lr = (float)lr;
   s.beta1 = (float)beta1;
@@ -255,6 +279,15 @@ AdamScalars make_scalars(double lr, const std::optional<at::Tensor>& lr_t, doubl
     TORCH_CHECK(step >= 1, "mpzero: step must be >= 1 with bias correction, got ", num(step));
     s.bc1_inv = (float)(1.0 / (1.0 - std::pow(beta1, (double)step)));
     s.bc2_inv = (float)(1.0 / (1.0 - std::pow(beta2, (double)step)));
+  }
+  s.resolved = nullptr;
+  if (s.lr_ptr != nullptr || s.step_ptr != nullptr || s.found_inf != nullptr) {
+    // Stream-ordered: freed after the caller's launches, reused only after them.
+    resolved = at::empty({4}, at::TensorOptions().dtype(at::kFloat).device(dev));
+    resolve_scalars_kernel<<<1, 1, 0, at::cuda::getCurrentCUDAStream()>>>(
+        s, resolved.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    s.resolved = resolved.data_ptr<float>();
   }
   return s;
 }
@@ -326,8 +359,10 @@ void adam(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
   const bool has_out = !p_out.empty();
   if (has_out) check_list(p_out, "params_out", n, dev);
   const at::cuda::CUDAGuard guard(dev);
+  at::Tensor resolved;  // alive until the launches below are queued
   const AdamScalars s = make_scalars(lr, lr_t, beta1, beta2, eps, weight_decay, step, step_t,
-                                     adam_w_mode, bias_correction, grad_scale, found_inf, dev);
+                                     adam_w_mode, bias_correction, grad_scale, found_inf, dev,
+                                     resolved);
   // Group tensors by (p dtype, g dtype, out dtype): one launch series per group.
   std::vector<bool> done(n, false);
   for (size_t i0 = 0; i0 < n; ++i0) {
@@ -375,8 +410,10 @@ void adam_remainders(const std::vector<at::Tensor>& p, const std::vector<at::Ten
   const bool has_out = !p_out.empty();
   if (has_out) check_list(p_out, "params_out", n, dev);
   const at::cuda::CUDAGuard guard(dev);
+  at::Tensor resolved;  // alive until the launches below are queued
   const AdamScalars s = make_scalars(lr, lr_t, beta1, beta2, eps, weight_decay, step, step_t,
-                                     adam_w_mode, bias_correction, grad_scale, found_inf, dev);
+                                     adam_w_mode, bias_correction, grad_scale, found_inf, dev,
+                                     resolved);
   std::vector<bool> done(n, false);
   for (size_t i0 = 0; i0 < n; ++i0) {
     if (done[i0]) continue;
@@ -561,9 +598,10 @@ void AdamPlan::run(const std::vector<at::Tensor>& dynamic, double lr,
   }
   if (groups_.empty()) return;
   const at::cuda::CUDAGuard guard(device_);
+  at::Tensor resolved;  // alive until the launches below are queued
   const AdamScalars s = make_scalars(lr, lr_t, beta1, beta2, eps, weight_decay, step, step_t,
                                      adam_w_mode, bias_correction, grad_scale, found_inf,
-                                     device_);
+                                     device_, resolved);
   if (remainders_) {
     run_groups<6>(s, groups_, refs_, numel_, fixed_, bases);
   } else {
