@@ -328,10 +328,8 @@ def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.
     sw = _wide(s)
     xhat = (sw if mean is None else sw - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
     dxh = g * _wide(weight)
-    ds = dxh - xhat * (dxh * xhat).mean(-1, keepdim=True)
-    if mean is not None:
-        ds = ds - dxh.mean(-1, keepdim=True)
-    ds = rstd.unsqueeze(-1) * ds
+    centered = dxh if mean is None else dxh - dxh.mean(-1, keepdim=True)
+    ds = rstd.unsqueeze(-1) * (centered - xhat * (dxh * xhat).mean(-1, keepdim=True))
     if g_s is not None:
         ds = ds + _wide(g_s)
     dw = (g * xhat).sum(0).to(weight.dtype)
