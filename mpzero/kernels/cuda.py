@@ -48,6 +48,15 @@ if os.environ.get("MPZERO_SPLIT_ACCESS", "") in ("0", "1"):
 # MPZERO_PERSISTENT_GRID=0|1 likewise for the elementwise kernels' grid (set_persistent_grid).
 if os.environ.get("MPZERO_PERSISTENT_GRID", "") in ("0", "1"):
     _C.set_persistent_grid(os.environ["MPZERO_PERSISTENT_GRID"] == "1")
+# MPZERO_LAUNCH_THREADS / MPZERO_CHUNK_ELEMS likewise for set_launch_config's threads per
+# block and chunk size (positive integers; unset keeps the built-in defaults).
+for _var in ("MPZERO_LAUNCH_THREADS", "MPZERO_CHUNK_ELEMS"):
+    _val = os.environ.get(_var, "")
+    if _val and (not _val.isdigit() or int(_val) <= 0):
+        raise ValueError(f"{_var}={_val!r}: expected a positive integer")
+if os.environ.get("MPZERO_LAUNCH_THREADS") or os.environ.get("MPZERO_CHUNK_ELEMS"):
+    _C.set_launch_config(int(os.environ.get("MPZERO_LAUNCH_THREADS") or 0), -1,
+                         int(os.environ.get("MPZERO_CHUNK_ELEMS") or 0))
 
 
 def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
