@@ -85,9 +85,34 @@ __global__ void resolve_scalars_kernel(AdamScalars s, float* out) {
   s.resolve_from_pointers(out);
 }
 
+// How a kernel walks a chunk (launch_config(): split_access, prefetch): a thread's 8
+// elements in a row, as two runs of 4 half a block step apart, or the latter with the next
+// step's loads in flight during this step's math (for_chunk_prefetch).
+enum Access : int { kContiguous = 0, kSplit = 1, kSplitPrefetch = 2 };
+
+int access_of(const LaunchConfig& cfg) {
+  return !cfg.split_access ? kContiguous : cfg.prefetch ? kSplitPrefetch : kSplit;
+}
+
+// f(std::integral_constant<int, A>{}) for the configured access A.
+template <typename F>
+void dispatch_access(F&& f) {
+  switch (access_of(launch_config())) {
+    case kContiguous: f(std::integral_constant<int, kContiguous>{}); break;
+    case kSplit: f(std::integral_constant<int, kSplit>{}); break;
+    default: f(std::integral_constant<int, kSplitPrefetch>{}); break;
+  }
+}
+
 // Lists: 0 p (P), 1 g (G), 2 m (P), 3 v (P), 4 p_out (runtime dtype, nullable).
-template <typename P, typename G, bool kSplit>
+template <typename P, typename G, int kAccess>
 struct AdamOp {
+  struct Row {  // one split step loaded ahead
+    Split8<P> p;
+    Split8<G> g;
+    Split8<P> m, v;
+  };
+
   AdamScalars s;
   OutKind out_kind;
   float gs;
@@ -109,8 +134,63 @@ struct AdamOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
                          (out == nullptr || aligned16(out));
+    // The update of one vector step and its stores (tag: split or not).
+    auto update_store = [&](auto tag, int64_t i0, int64_t i1, float (&rp)[kVec],
+                            const float (&rg)[kVec], float (&rm)[kVec], float (&rv)[kVec]) {
+      constexpr bool S = decltype(tag)::value;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
+      store8x<S>(p, i0, i1, rp);
+      store8x<S>(m, i0, i1, rm);
+      store8x<S>(v, i0, i1, rv);
+      store8x_out<S>(ok, out, i0, i1, rp);
+    };
+    auto scalar = [&](int64_t base, int64_t e) {
+      float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t i = scalar_index(base, j);
+        if (i < e) {
+          rp[j] = to_float(p[i]);
+          rg[j] = to_float(g[i]);
+          rm[j] = to_float(m[i]);
+          rv[j] = to_float(v[i]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t i = scalar_index(base, j);
+        if (i < e) {
+          s.update(rp[j], rg[j], rm[j], rv[j], gs);
+          p[i] = from_float<P>(rp[j]);
+          m[i] = from_float<P>(rm[j]);
+          v[i] = from_float<P>(rv[j]);
+          store1_out(ok, out, i, rp[j]);
+        }
+      }
+    };
+    if constexpr (kAccess == kSplitPrefetch) {
+      if (aligned) {
+        for_chunk_prefetch(
+            begin, end,
+            [&](int64_t i0, int64_t i1) {
+              return Row{load_split8(p, i0, i1), load_split8(g, i0, i1), load_split8(m, i0, i1),
+                         load_split8(v, i0, i1)};
+            },
+            [&](const Row& x, int64_t i0, int64_t i1) {
+              float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
+              split8_to_float(x.p, rp);
+              split8_to_float(x.g, rg);
+              split8_to_float(x.m, rm);
+              split8_to_float(x.v, rv);
+              update_store(std::true_type{}, i0, i1, rp, rg, rm, rv);
+            },
+            scalar);
+        return;
+      }
+    }
     for_chunk_x(
-        aligned, kSplit, begin, end,
+        aligned, kAccess != kContiguous, begin, end,
         [&](auto tag, int64_t i0, int64_t i1) {
           constexpr bool S = decltype(tag)::value;
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
@@ -118,37 +198,9 @@ struct AdamOp {
           load8x<S>(g, i0, i1, rg);
           load8x<S>(m, i0, i1, rm);
           load8x<S>(v, i0, i1, rv);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
-          store8x<S>(p, i0, i1, rp);
-          store8x<S>(m, i0, i1, rm);
-          store8x<S>(v, i0, i1, rv);
-          store8x_out<S>(ok, out, i0, i1, rp);
+          update_store(tag, i0, i1, rp, rg, rm, rv);
         },
-        [&](int64_t base, int64_t e) {
-          float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const int64_t i = scalar_index(base, j);
-            if (i < e) {
-              rp[j] = to_float(p[i]);
-              rg[j] = to_float(g[i]);
-              rm[j] = to_float(m[i]);
-              rv[j] = to_float(v[i]);
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const int64_t i = scalar_index(base, j);
-            if (i < e) {
-              s.update(rp[j], rg[j], rm[j], rv[j], gs);
-              p[i] = from_float<P>(rp[j]);
-              m[i] = from_float<P>(rm[j]);
-              v[i] = from_float<P>(rv[j]);
-              store1_out(ok, out, i, rp[j]);
-            }
-          }
-        });
+        scalar);
   }
 };
 
@@ -165,8 +217,14 @@ __device__ __forceinline__ void split_bits(float x, uint32_t& hi_bits, uint32_t&
 }
 
 // Lists: 0 p (bf16 bits), 1 rem (int16), 2 g (G), 3 m (fp32), 4 v (fp32), 5 p_out (nullable).
-template <typename G, bool kSplit>
+template <typename G, int kAccess>
 struct AdamRemOp {
+  struct Row {  // one split step loaded ahead
+    Split8<uint16_t> p, r;
+    Split8<G> g;
+    Split8<float> m, v;
+  };
+
   AdamScalars s;
   OutKind out_kind;
   float gs;
@@ -195,48 +253,79 @@ struct AdamRemOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(r) && aligned16(g) && aligned16(m) &&
                          aligned16(v) && (out == nullptr || aligned16(out));
+    // The update of one vector step and its stores (tag: split or not).
+    auto update_store = [&](auto tag, int64_t i0, int64_t i1, uint32_t (&hp)[kVec],
+                            uint32_t (&hr)[kVec], const float (&rg)[kVec], float (&rm)[kVec],
+                            float (&rv)[kVec]) {
+      constexpr bool S = decltype(tag)::value;
+      float x[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        x[j] = merge_bits(hp[j], hr[j]);
+        s.update(x[j], rg[j], rm[j], rv[j], gs);
+        split_bits(x[j], hp[j], hr[j]);
+      }
+      store8x_u16<S>(p, i0, i1, hp);
+      store8x_u16<S>(r, i0, i1, hr);
+      store8x<S>(m, i0, i1, rm);
+      store8x<S>(v, i0, i1, rv);
+      if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
+      else store8x_out<S>(ok, out, i0, i1, x);
+    };
+    auto scalar = [&](int64_t base, int64_t e) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t i = scalar_index(base, j);
+        if (i < e) {
+          float x = merge_bits(p[i], r[i]);
+          float mm = m[i], vv = v[i];
+          s.update(x, to_float(g[i]), mm, vv, gs);
+          uint32_t hi, lo;
+          split_bits(x, hi, lo);
+          p[i] = (uint16_t)hi;
+          r[i] = (uint16_t)lo;
+          m[i] = mm;
+          v[i] = vv;
+          store_out1(ok, out, i, x, hi);
+        }
+      }
+    };
+    if constexpr (kAccess == kSplitPrefetch) {
+      if (aligned) {
+        for_chunk_prefetch(
+            begin, end,
+            [&](int64_t i0, int64_t i1) {
+              return Row{load_split8(p, i0, i1), load_split8(r, i0, i1), load_split8(g, i0, i1),
+                         load_split8(m, i0, i1), load_split8(v, i0, i1)};
+            },
+            [&](const Row& x, int64_t i0, int64_t i1) {
+              uint32_t hp[kVec], hr[kVec];
+              float rg[kVec], rm[kVec], rv[kVec];
+              split8_to_u32(x.p, hp);
+              split8_to_u32(x.r, hr);
+              split8_to_float(x.g, rg);
+              split8_to_float(x.m, rm);
+              split8_to_float(x.v, rv);
+              update_store(std::true_type{}, i0, i1, hp, hr, rg, rm, rv);
+            },
+            scalar);
+        return;
+      }
+    }
     for_chunk_x(
-        aligned, kSplit, begin, end,
+        aligned, kAccess != kContiguous, begin, end,
         [&](auto tag, int64_t i0, int64_t i1) {
           constexpr bool S = decltype(tag)::value;
           uint32_t hp[kVec], hr[kVec];
-          float x[kVec], rg[kVec], rm[kVec], rv[kVec];
+          float rg[kVec], rm[kVec], rv[kVec];
           load8x_u16<S>(p, i0, i1, hp);
           load8x_u16<S>(r, i0, i1, hr);
           load8x<S>(g, i0, i1, rg);
           load8x<S>(m, i0, i1, rm);
           load8x<S>(v, i0, i1, rv);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            x[j] = merge_bits(hp[j], hr[j]);
-            s.update(x[j], rg[j], rm[j], rv[j], gs);
-            split_bits(x[j], hp[j], hr[j]);
-          }
-          store8x_u16<S>(p, i0, i1, hp);
-          store8x_u16<S>(r, i0, i1, hr);
-          store8x<S>(m, i0, i1, rm);
-          store8x<S>(v, i0, i1, rv);
-          if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
-          else store8x_out<S>(ok, out, i0, i1, x);
+          update_store(tag, i0, i1, hp, hr, rg, rm, rv);
         },
-        [&](int64_t base, int64_t e) {
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            const int64_t i = scalar_index(base, j);
-            if (i < e) {
-              float x = merge_bits(p[i], r[i]);
-              float mm = m[i], vv = v[i];
-              s.update(x, to_float(g[i]), mm, vv, gs);
-              uint32_t hi, lo;
-              split_bits(x, hi, lo);
-              p[i] = (uint16_t)hi;
-              r[i] = (uint16_t)lo;
-              m[i] = mm;
-              v[i] = vv;
-              store_out1(ok, out, i, x, hi);
-            }
-          }
-        });
+        scalar);
   }
 };
 
@@ -306,11 +395,10 @@ void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, Out
     dispatch_adam(gt, "grads", [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
-      if (launch_config().split_access) {
-        launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G, true>{s, ok, 1.0f});
-      } else {
-        launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G, false>{s, ok, 1.0f});
-      }
+      dispatch_access([&](auto access) {
+        launch_multi_tensor<5>(ptrs, numel, chunk_elems(),
+                               AdamOp<P, G, decltype(access)::value>{s, ok, 1.0f});
+      });
     });
   });
 }
@@ -321,11 +409,10 @@ void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKin
                  const std::vector<int64_t>& numel) {
   dispatch_adam(gt, "grads", [&](auto g_tag) {
     using G = decltype(g_tag);
-    if (launch_config().split_access) {
-      launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, true>{s, ok, 1.0f});
-    } else {
-      launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G, false>{s, ok, 1.0f});
-    }
+    dispatch_access([&](auto access) {
+      launch_multi_tensor<6>(ptrs, numel, chunk_elems(),
+                             AdamRemOp<G, decltype(access)::value>{s, ok, 1.0f});
+    });
   });
 }
 

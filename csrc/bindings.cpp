@@ -77,6 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Adam kernels: each thread's 8 elements as two runs of 4 half a block step apart",
         py::arg("on"));
   m.def("split_access", &mpzero::split_access);
+  m.def("set_prefetch", &mpzero::set_prefetch,
+        "Adam kernels with split access: issue the next block step's loads before this "
+        "step's math and stores", py::arg("on"));
+  m.def("prefetch", &mpzero::prefetch);
   m.def("set_persistent_grid", &mpzero::set_persistent_grid,
         "Elementwise kernels: a persistent grid instead of one block per chunk", py::arg("on"));
   m.def("persistent_grid", &mpzero::persistent_grid);

@@ -29,6 +29,9 @@ bool chunk_balancing() { return launch_config().balance_chunks; }
 void set_split_access(bool on) { launch_config().split_access = on; }
 bool split_access() { return launch_config().split_access; }
 
+void set_prefetch(bool on) { launch_config().prefetch = on; }
+bool prefetch() { return launch_config().prefetch; }
+
 void set_persistent_grid(bool on) { launch_config().persistent = on; }
 bool persistent_grid() { return launch_config().persistent; }
 

@@ -128,6 +128,8 @@ void set_chunk_balancing(bool on);
 bool chunk_balancing();
 void set_split_access(bool on);
 bool split_access();
+void set_prefetch(bool on);
+bool prefetch();
 void set_persistent_grid(bool on);
 bool persistent_grid();
 }  // namespace mpzero

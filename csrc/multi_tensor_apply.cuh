@@ -167,28 +167,71 @@ __device__ __forceinline__ void store_raw8(T* p, const Raw8<T>& x) {
 #pragma unroll
   for (int i = 0; i < (int)(sizeof(T) / 2); ++i) stg128(reinterpret_cast<uint4*>(p) + i, x.w[i]);
 }
+// The two 16-bit values of T (__half or __nv_bfloat16) in one 32-bit word as fp32, the low
+// half first.
+template <typename T>
+__device__ __forceinline__ void word16_to_float(uint32_t w, float& lo, float& hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+  } else {
+    static_assert(std::is_same_v<T, __half>, "16-bit float type expected");
+    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu)));
+    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+  }
+}
+
+// Four fp32 values held as the bits of a 16-byte word.
+__device__ __forceinline__ void word128_to_float(const uint4& w, float* v) {
+  v[0] = __uint_as_float(w.x);
+  v[1] = __uint_as_float(w.y);
+  v[2] = __uint_as_float(w.z);
+  v[3] = __uint_as_float(w.w);
+}
+
 template <typename T>
 __device__ __forceinline__ void raw8_to_float(const Raw8<T>& x, float (&v)[kVec]) {
   if constexpr (sizeof(T) == 4) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      v[4 * i] = __uint_as_float(x.w[i].x);
-      v[4 * i + 1] = __uint_as_float(x.w[i].y);
-      v[4 * i + 2] = __uint_as_float(x.w[i].z);
-      v[4 * i + 3] = __uint_as_float(x.w[i].w);
-    }
+    word128_to_float(x.w[0], v);
+    word128_to_float(x.w[1], v + 4);
   } else {
     const uint32_t w[4] = {x.w[0].x, x.w[0].y, x.w[0].z, x.w[0].w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // bf16 -> fp32 is a shift
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-      } else {
-        v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
-        v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-      }
-    }
+    for (int i = 0; i < 4; ++i) word16_to_float<T>(w[i], v[2 * i], v[2 * i + 1]);
+  }
+}
+
+// A thread's 8 elements of one split step (elements i0..i0+3 and i1..i1+3, see load8x) as
+// they lie in memory: two 16-byte words for fp32, two 8-byte words for 16-bit types
+// (uint16_t: raw bits). Held raw, a step loaded ahead takes the fewest registers.
+template <typename T>
+struct Split8 {
+  using W = std::conditional_t<sizeof(T) == 4, uint4, uint2>;
+  W a, b;
+};
+template <typename T>
+__device__ __forceinline__ Split8<T> load_split8(const T* p, int64_t i0, int64_t i1) {
+  using W = typename Split8<T>::W;
+  return {vload(reinterpret_cast<const W*>(p + i0)), vload(reinterpret_cast<const W*>(p + i1))};
+}
+template <typename T>
+__device__ __forceinline__ void split8_to_float(const Split8<T>& x, float (&r)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+    word128_to_float(x.a, r);
+    word128_to_float(x.b, r + 4);
+  } else {
+    const uint32_t w[4] = {x.a.x, x.a.y, x.b.x, x.b.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) word16_to_float<T>(w[i], r[2 * i], r[2 * i + 1]);
+  }
+}
+// Raw 16-bit values (bf16 bits, int16 remainders), each widened to 32 bits.
+__device__ __forceinline__ void split8_to_u32(const Split8<uint16_t>& x, uint32_t (&r)[kVec]) {
+  const uint32_t w[4] = {x.a.x, x.a.y, x.b.x, x.b.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    r[2 * j] = w[j] & 0xFFFFu;
+    r[2 * j + 1] = w[j] >> 16;
   }
 }
 
@@ -252,22 +295,8 @@ template <bool kSplit, typename T>
 __device__ __forceinline__ void load8x(const T* p, int64_t i0, int64_t i1, float (&r)[kVec]) {
   if constexpr (!kSplit) {
     load8(p + i0, r);
-  } else if constexpr (sizeof(T) == 4) {
-    const float4 a = vload(reinterpret_cast<const float4*>(p + i0));
-    const float4 b = vload(reinterpret_cast<const float4*>(p + i1));
-    r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
-    r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
   } else {
-    static_assert(sizeof(T) == 2, "16-bit element expected");
-    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
-    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
-    const T* ea = reinterpret_cast<const T*>(&a);
-    const T* eb = reinterpret_cast<const T*>(&b);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r[j] = to_float(ea[j]);
-      r[4 + j] = to_float(eb[j]);
-    }
+    split8_to_float(load_split8(p, i0, i1), r);
   }
 }
 
@@ -299,14 +328,7 @@ __device__ __forceinline__ void load8x_u16(const uint16_t* p, int64_t i0, int64_
   if constexpr (!kSplit) {
     load8_u16(p + i0, r);
   } else {
-    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
-    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
-    const uint32_t w[4] = {a.x, a.y, b.x, b.y};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r[2 * j] = w[j] & 0xFFFFu;
-      r[2 * j + 1] = w[j] >> 16;
-    }
+    split8_to_u32(load_split8(p, i0, i1), r);
   }
 }
 
@@ -427,6 +449,34 @@ __device__ __forceinline__ void for_chunk_x(bool aligned, bool split, int64_t be
     for_chunk(
         aligned, begin, end, [&](int64_t i) { vec(std::false_type{}, i, i + 4); }, scalar);
   }
+}
+
+// The split path of for_chunk_x with the next block step's loads issued before this
+// step's math and stores (double buffering in registers), so that a warp keeps loads in
+// flight while it computes: load(i0, i1) returns one step's raw words, body(row, i0, i1)
+// converts, updates and stores them. Only for aligned tensors; the chunk's last partial
+// step takes the scalar path as in for_chunk_x.
+template <class Load, class Body, class Scalar>
+__device__ __forceinline__ void for_chunk_prefetch(int64_t begin, int64_t end, Load&& load,
+                                                   Body&& body, Scalar&& scalar) {
+  const int64_t step = (int64_t)blockDim.x * kVec;
+  const int64_t half = step / 2;
+  const int64_t lane = 4 * (int64_t)threadIdx.x;
+  int64_t base = begin;
+  if (base + step <= end) {
+    auto row = load(base + lane, base + lane + half);
+    for (;;) {
+      const int64_t next = base + step;
+      const bool more = next + step <= end;  // uniform across the block
+      decltype(row) ahead;
+      if (more) ahead = load(next + lane, next + lane + half);
+      body(row, base + lane, base + lane + half);
+      base = next;
+      if (!more) break;
+      row = ahead;
+    }
+  }
+  if (base < end) scalar(base, end);
 }
 
 // Index of element j of a scalar step (strided by the block for coalescing).

@@ -15,6 +15,8 @@ struct LaunchConfig {
                                 // half a block step apart (each load instruction of a
                                 // warp covers one contiguous span); false: 8 in a row
                                 // (0.8% slower on an H100, docs/kernels-notes.md)
+  bool prefetch = false;        // Adam kernels with split access: the next block step's
+                                // loads issued before this step's math and stores
   bool persistent = false;      // elementwise launches: a persistent grid (SMs x resident
                                 // blocks walking the chunks) instead of one block per
                                 // chunk (4-5% slower on an H100, docs/kernels-notes.md)

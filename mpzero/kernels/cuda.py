@@ -24,6 +24,8 @@ __all__ = [
     "chunk_balancing",
     "set_split_access",
     "split_access",
+    "set_prefetch",
+    "prefetch",
     "set_persistent_grid",
     "persistent_grid",
     "cross_entropy_stats",
@@ -48,6 +50,9 @@ if os.environ.get("MPZERO_SPLIT_ACCESS", "") in ("0", "1"):
 # MPZERO_PERSISTENT_GRID=0|1 likewise for the elementwise kernels' grid (set_persistent_grid).
 if os.environ.get("MPZERO_PERSISTENT_GRID", "") in ("0", "1"):
     _C.set_persistent_grid(os.environ["MPZERO_PERSISTENT_GRID"] == "1")
+# MPZERO_PREFETCH=0|1 likewise for the Adam kernels' loads ahead (set_prefetch).
+if os.environ.get("MPZERO_PREFETCH", "") in ("0", "1") and hasattr(_C, "set_prefetch"):
+    _C.set_prefetch(os.environ["MPZERO_PREFETCH"] == "1")
 # MPZERO_LAUNCH_THREADS / MPZERO_CHUNK_ELEMS likewise for set_launch_config's threads per
 # block and chunk size (positive integers; unset keeps the built-in defaults).
 for _var in ("MPZERO_LAUNCH_THREADS", "MPZERO_CHUNK_ELEMS"):
@@ -290,6 +295,19 @@ def set_split_access(on: bool) -> None:
 
 def split_access() -> bool:
     return bool(_C.split_access())
+
+
+def set_prefetch(on: bool) -> None:
+    """Adam kernels with split access: each thread issues the next block step's loads
+    before this step's math and stores (two steps' values in registers), so its loads stay
+    in flight while it computes. Results do not depend on it; only the time does. Builds
+    of ``_C`` without it ignore the call."""
+    if hasattr(_C, "set_prefetch"):
+        _C.set_prefetch(bool(on))
+
+
+def prefetch() -> bool:
+    return bool(_C.prefetch()) if hasattr(_C, "prefetch") else False
 
 
 def set_persistent_grid(on: bool) -> None:

@@ -9,6 +9,9 @@ checks come last in the file so that ``pytest -x`` reports the tolerance checks 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -597,19 +600,25 @@ def test_argument_errors_raise_with_their_numbers():
 
 # ---- split access (set_split_access): the same bits, whatever the access pattern ----------
 
-SPLIT_SIZES = [1, 7, 4095, 4096, 4097, 8200, 70001, 2**20 + 13]  # block steps are 4096
+# Block steps are 4096 elements, chunks 16384: one, two, three and four steps per chunk,
+# each with and without a scalar tail.
+SPLIT_SIZES = [1, 7, 4095, 4096, 4097, 8200, 12289, 16384, 24581, 70001, 2**20 + 13]
 
 
-@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("split,ahead", [(True, False), (False, False), (True, True)],
+                         ids=["split", "contiguous", "split-prefetch"])
 @pytest.mark.parametrize("pdt,gdt,odt", [(torch.float32, torch.bfloat16, torch.bfloat16),
                                          (torch.float32, torch.float32, None),
                                          (torch.bfloat16, torch.bfloat16, torch.float32),
                                          (torch.float16, torch.float32, torch.float16)])
-def test_split_access_bit_exact(split, pdt, gdt, odt):
-    old = kc.split_access()
+def test_split_access_bit_exact(split, ahead, pdt, gdt, odt):
+    """Every access pattern (and the loads ahead, set_prefetch) gives the reference's bits,
+    for sizes below, at and around one and two block steps and with a scalar tail."""
+    old, old_ahead = kc.split_access(), kc.prefetch()
     try:
         kc.set_split_access(split)
-        assert kc.split_access() is split
+        kc.set_prefetch(ahead)
+        assert kc.split_access() is split and kc.prefetch() is ahead
         kw = dict(BASE, grad_scale=torch.tensor(0.5, device=DEV))
         got, want = _run_adam_pair(SPLIT_SIZES, pdt, gdt, odt, offset=0, **kw)
         for gl, wl in zip(got, want):
@@ -626,3 +635,21 @@ def test_split_access_bit_exact(split, pdt, gdt, odt):
                     assert _same_bits(a, b)
     finally:
         kc.set_split_access(old)
+        kc.set_prefetch(old_ahead)
+
+
+def test_launch_environment_variables():
+    """MPZERO_LAUNCH_THREADS / MPZERO_CHUNK_ELEMS / MPZERO_PREFETCH set the launch config
+    at import; a bad value fails with the variable's name."""
+    code = ("import torch; from mpzero.kernels import cuda as kc; "
+            "t, _, c = kc.get_launch_config(); print(t, c, kc.prefetch())")
+    env = dict(os.environ, MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768",
+               MPZERO_PREFETCH="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["256", "32768", "True"]
+    env["MPZERO_CHUNK_ELEMS"] = "16k"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "MPZERO_CHUNK_ELEMS='16k'" in out.stderr
