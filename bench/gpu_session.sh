@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
-#                             [heads] [layernorm]
+#                             [heads] [layernorm] [prefetch]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -23,6 +23,9 @@
 #   heads:     bench/bench_heads_grad.py (the QKV gradient in one pass vs inductor's kernels)
 #   layernorm: the fused LayerNorm's and RMSNorm's GPU tests, bench/bench_layer_norm.py (both
 #              norms), and the 1.3B GA4 dfa iteration with and without --layernorm-fusion
+#   prefetch:  the Adam kernels' loads ahead (set_prefetch): the access-pattern bit tests,
+#              bench_step.py without and with MPZERO_PREFETCH=1, and the launch sweep of
+#              chunk sizes with both
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -100,6 +103,14 @@ for s in $stages; do
     gelu) stage gelu python3 bench/bench_gelu.py ;;
     mlp) stage mlp python3 bench/bench_mlp.py --iters 30 ;;
     heads) stage heads python3 bench/bench_heads_grad.py --iters 30 ;;
+    prefetch) stage prefetch-tests python3 -m pytest -q tests/gpu/test_kernels.py \
+                -k "split_access or environment" --timeout 120 -p no:cacheprovider
+              stage step-noprefetch python3 bench/bench_step.py --reps 40 \
+                --json "$OUT/step_noprefetch.json"
+              MPZERO_PREFETCH=1 stage step-prefetch python3 bench/bench_step.py --reps 40 \
+                --json "$OUT/step_prefetch.json"
+              stage sweep-prefetch python3 bench/sweep_launch.py --reps 15 --threads 256,512 \
+                --chunks 16384,32768,65536 --prefetch 0,1 --grids block-per-chunk ;;
     layernorm) stage layernorm-tests python3 -m pytest -q tests/gpu/test_layer_norm_cuda.py \
                  --timeout 120 -p no:cacheprovider
                stage layernorm python3 bench/bench_layer_norm.py --iters 30

@@ -137,13 +137,20 @@ struct AdamOp {
     // The update of one vector step and its stores (tag: split or not).
     auto update_store = [&](auto tag, int64_t i0, int64_t i1, float (&rp)[kVec],
                             const float (&rg)[kVec], float (&rm)[kVec], float (&rv)[kVec]) {
-      constexpr bool S = decltype(tag)::value;
+      [[maybe_unused]] constexpr bool S = decltype(tag)::value;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
-      store8x<S>(p, i0, i1, rp);
-      store8x<S>(m, i0, i1, rm);
-      store8x<S>(v, i0, i1, rv);
-      store8x_out<S>(ok, out, i0, i1, rp);
+      if constexpr (kAccess == kSplitPrefetch) {  // only split steps come here
+        store8x_wide(p, i0, i1, rp);
+        store8x_wide(m, i0, i1, rm);
+        store8x_wide(v, i0, i1, rv);
+        store8x_out_wide(ok, out, i0, i1, rp);
+      } else {
+        store8x<S>(p, i0, i1, rp);
+        store8x<S>(m, i0, i1, rm);
+        store8x<S>(v, i0, i1, rv);
+        store8x_out<S>(ok, out, i0, i1, rp);
+      }
     };
     auto scalar = [&](int64_t base, int64_t e) {
       float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
@@ -257,7 +264,7 @@ struct AdamRemOp {
     auto update_store = [&](auto tag, int64_t i0, int64_t i1, uint32_t (&hp)[kVec],
                             uint32_t (&hr)[kVec], const float (&rg)[kVec], float (&rm)[kVec],
                             float (&rv)[kVec]) {
-      constexpr bool S = decltype(tag)::value;
+      [[maybe_unused]] constexpr bool S = decltype(tag)::value;
       float x[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -265,12 +272,21 @@ struct AdamRemOp {
         s.update(x[j], rg[j], rm[j], rv[j], gs);
         split_bits(x[j], hp[j], hr[j]);
       }
-      store8x_u16<S>(p, i0, i1, hp);
-      store8x_u16<S>(r, i0, i1, hr);
-      store8x<S>(m, i0, i1, rm);
-      store8x<S>(v, i0, i1, rv);
-      if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
-      else store8x_out<S>(ok, out, i0, i1, x);
+      if constexpr (kAccess == kSplitPrefetch) {  // only split steps come here
+        store8x_u16_wide(p, i0, i1, hp);
+        store8x_u16_wide(r, i0, i1, hr);
+        store8x_wide(m, i0, i1, rm);
+        store8x_wide(v, i0, i1, rv);
+        if (ok == OutKind::kBFloat16) store8x_u16_wide(static_cast<uint16_t*>(out), i0, i1, hp);
+        else store8x_out_wide(ok, out, i0, i1, x);
+      } else {
+        store8x_u16<S>(p, i0, i1, hp);
+        store8x_u16<S>(r, i0, i1, hr);
+        store8x<S>(m, i0, i1, rm);
+        store8x<S>(v, i0, i1, rv);
+        if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
+        else store8x_out<S>(ok, out, i0, i1, x);
+      }
     };
     auto scalar = [&](int64_t base, int64_t e) {
 #pragma unroll

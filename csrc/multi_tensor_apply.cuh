@@ -125,6 +125,30 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return bits16(from_float<T>(a)) | (bits16(from_float<T>(b)) << 16);
 }
 
+// One 8-byte store instruction (st.global.v2.b32; p 8-byte aligned), as stg128.
+__device__ __forceinline__ void stg64(void* p, const uint2& v) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// store8x<true> (two runs of 4 at i0 and i1) with explicit vector store instructions: 16
+// bytes per run of fp32, 8 per run of 16-bit values. Through a plain pointer the compiler
+// may split a run into 4-byte stores when it cannot place the values in aligned registers
+// (seen in the Adam kernels with loads ahead).
+template <typename T>
+__device__ __forceinline__ void store8x_wide(T* p, int64_t i0, int64_t i1,
+                                             const float (&r)[kVec]) {
+  if constexpr (sizeof(T) == 4) {
+    stg128(p + i0, make_uint4(__float_as_uint(r[0]), __float_as_uint(r[1]),
+                              __float_as_uint(r[2]), __float_as_uint(r[3])));
+    stg128(p + i1, make_uint4(__float_as_uint(r[4]), __float_as_uint(r[5]),
+                              __float_as_uint(r[6]), __float_as_uint(r[7])));
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    stg64(p + i0, make_uint2(pack2<T>(r[0], r[1]), pack2<T>(r[2], r[3])));
+    stg64(p + i1, make_uint2(pack2<T>(r[4], r[5]), pack2<T>(r[6], r[7])));
+  }
+}
+
 // store8 with 16-byte store instructions (stg128).
 template <typename T>
 __device__ __forceinline__ void store8_wide(T* p, const float (&r)[kVec]) {
@@ -295,8 +319,22 @@ template <bool kSplit, typename T>
 __device__ __forceinline__ void load8x(const T* p, int64_t i0, int64_t i1, float (&r)[kVec]) {
   if constexpr (!kSplit) {
     load8(p + i0, r);
+  } else if constexpr (sizeof(T) == 4) {
+    const float4 a = vload(reinterpret_cast<const float4*>(p + i0));
+    const float4 b = vload(reinterpret_cast<const float4*>(p + i1));
+    r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
+    r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
   } else {
-    split8_to_float(load_split8(p, i0, i1), r);
+    static_assert(sizeof(T) == 2, "16-bit element expected");
+    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
+    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
+    const T* ea = reinterpret_cast<const T*>(&a);
+    const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      r[j] = to_float(ea[j]);
+      r[4 + j] = to_float(eb[j]);
+    }
   }
 }
 
@@ -348,6 +386,13 @@ __device__ __forceinline__ void store8x_u16(uint16_t* p, int64_t i0, int64_t i1,
   }
 }
 
+// store8x_u16<true> with explicit 8-byte store instructions (see store8x_wide).
+__device__ __forceinline__ void store8x_u16_wide(uint16_t* p, int64_t i0, int64_t i1,
+                                                 const uint32_t (&r)[kVec]) {
+  stg64(p + i0, make_uint2((r[0] & 0xFFFFu) | (r[1] << 16), (r[2] & 0xFFFFu) | (r[3] << 16)));
+  stg64(p + i1, make_uint2((r[4] & 0xFFFFu) | (r[5] << 16), (r[6] & 0xFFFFu) | (r[7] << 16)));
+}
+
 // Output dtype chosen at run time (keeps template instantiations down).
 enum class OutKind : int { kNone = 0, kFloat = 1, kHalf = 2, kBFloat16 = 3 };
 
@@ -375,6 +420,15 @@ __device__ __forceinline__ void store8x_out(OutKind k, void* base, int64_t i0, i
     case OutKind::kFloat: store8x<kSplit>(static_cast<float*>(base), i0, i1, r); break;
     case OutKind::kHalf: store8x<kSplit>(static_cast<__half*>(base), i0, i1, r); break;
     case OutKind::kBFloat16: store8x<kSplit>(static_cast<__nv_bfloat16*>(base), i0, i1, r); break;
+    default: break;
+  }
+}
+__device__ __forceinline__ void store8x_out_wide(OutKind k, void* base, int64_t i0, int64_t i1,
+                                                 const float (&r)[kVec]) {
+  switch (k) {
+    case OutKind::kFloat: store8x_wide(static_cast<float*>(base), i0, i1, r); break;
+    case OutKind::kHalf: store8x_wide(static_cast<__half*>(base), i0, i1, r); break;
+    case OutKind::kBFloat16: store8x_wide(static_cast<__nv_bfloat16*>(base), i0, i1, r); break;
     default: break;
   }
 }
