@@ -458,10 +458,12 @@ def test_multi_add_refuses_what_it_cannot_make_exactly():
         kc.multi_add([a], [b])
 
 
-def test_launch_config_variants_agree():
-    old = kc.get_launch_config()
+@pytest.mark.parametrize("ahead", [False, True], ids=["split", "split-prefetch"])
+def test_launch_config_variants_agree(ahead):
+    old, old_ahead = kc.get_launch_config(), kc.prefetch()
     configs = [(512, 0, 16384), (256, 2, 4096), (512, 0, 65536), (128, 3, 1000), (64, 1, 1)]
     try:
+        kc.set_prefetch(ahead)
         for cfg in configs:
             kc.set_launch_config(*cfg)
             for pdt, gdt in [(torch.float32, torch.bfloat16), (torch.float32, torch.float32)]:
@@ -475,6 +477,7 @@ def test_launch_config_variants_agree():
                 _ulp_close(a, b)
     finally:
         kc.set_launch_config(*old)
+        kc.set_prefetch(old_ahead)
 
 
 def _elementwise_outputs(sizes, seed=4242):
