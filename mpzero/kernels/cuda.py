@@ -43,25 +43,41 @@ __all__ = [
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
-# MPZERO_SPLIT_ACCESS=0|1 sets the Adam kernels' access pattern for a whole run (benchmarks
-# compare both without code changes); see set_split_access().
-if os.environ.get("MPZERO_SPLIT_ACCESS", "") in ("0", "1"):
-    _C.set_split_access(os.environ["MPZERO_SPLIT_ACCESS"] == "1")
-# MPZERO_PERSISTENT_GRID=0|1 likewise for the elementwise kernels' grid (set_persistent_grid).
-if os.environ.get("MPZERO_PERSISTENT_GRID", "") in ("0", "1"):
-    _C.set_persistent_grid(os.environ["MPZERO_PERSISTENT_GRID"] == "1")
-# MPZERO_PREFETCH=0|1 likewise for the Adam kernels' loads ahead (set_prefetch).
-if os.environ.get("MPZERO_PREFETCH", "") in ("0", "1") and hasattr(_C, "set_prefetch"):
-    _C.set_prefetch(os.environ["MPZERO_PREFETCH"] == "1")
-# MPZERO_LAUNCH_THREADS / MPZERO_CHUNK_ELEMS likewise for set_launch_config's threads per
-# block and chunk size (positive integers; unset keeps the built-in defaults).
-for _var in ("MPZERO_LAUNCH_THREADS", "MPZERO_CHUNK_ELEMS"):
-    _val = os.environ.get(_var, "")
-    if _val and (not _val.isdigit() or int(_val) <= 0):
-        raise ValueError(f"{_var}={_val!r}: expected a positive integer")
-if os.environ.get("MPZERO_LAUNCH_THREADS") or os.environ.get("MPZERO_CHUNK_ELEMS"):
-    _C.set_launch_config(int(os.environ.get("MPZERO_LAUNCH_THREADS") or 0), -1,
-                         int(os.environ.get("MPZERO_CHUNK_ELEMS") or 0))
+
+def _env_value(var: str, allowed: str, parse):
+    """``parse`` of the environment variable ``var``, or None when it is unset or empty; a
+    value ``parse`` rejects fails with the variable's name and ``allowed``."""
+    raw = os.environ.get(var, "")
+    if not raw:
+        return None
+    value = parse(raw)
+    if value is None:
+        raise ValueError(f"{var}={raw!r}: expected {allowed}")
+    return value
+
+
+def _flag(raw: str) -> bool | None:
+    return {"0": False, "1": True}.get(raw)
+
+
+def _count(raw: str) -> int | None:
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+# Launch knobs for a whole run (benchmarks compare them without code changes):
+# MPZERO_SPLIT_ACCESS=0|1 (set_split_access), MPZERO_PERSISTENT_GRID=0|1
+# (set_persistent_grid), MPZERO_PREFETCH=0|1 (set_prefetch), and MPZERO_LAUNCH_THREADS /
+# MPZERO_CHUNK_ELEMS (set_launch_config's threads per block and chunk size).
+for _var, _setter in (("MPZERO_SPLIT_ACCESS", _C.set_split_access),
+                      ("MPZERO_PERSISTENT_GRID", _C.set_persistent_grid),
+                      ("MPZERO_PREFETCH", _C.set_prefetch)):
+    _on = _env_value(_var, "0 or 1", _flag)
+    if _on is not None:
+        _setter(_on)
+_threads = _env_value("MPZERO_LAUNCH_THREADS", "a positive integer", _count)
+_chunk = _env_value("MPZERO_CHUNK_ELEMS", "a positive integer", _count)
+if _threads or _chunk:
+    _C.set_launch_config(_threads or 0, -1, _chunk or 0)
 
 
 def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
@@ -300,14 +316,12 @@ def split_access() -> bool:
 def set_prefetch(on: bool) -> None:
     """Adam kernels with split access: each thread issues the next block step's loads
     before this step's math and stores (two steps' values in registers), so its loads stay
-    in flight while it computes. Results do not depend on it; only the time does. Builds
-    of ``_C`` without it ignore the call."""
-    if hasattr(_C, "set_prefetch"):
-        _C.set_prefetch(bool(on))
+    in flight while it computes. Results do not depend on it; only the time does."""
+    _C.set_prefetch(bool(on))
 
 
 def prefetch() -> bool:
-    return bool(_C.prefetch()) if hasattr(_C, "prefetch") else False
+    return bool(_C.prefetch())
 
 
 def set_persistent_grid(on: bool) -> None:

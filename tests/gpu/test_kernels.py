@@ -643,7 +643,7 @@ def test_split_access_bit_exact(split, ahead, pdt, gdt, odt):
 
 def test_launch_environment_variables():
     """MPZERO_LAUNCH_THREADS / MPZERO_CHUNK_ELEMS / MPZERO_PREFETCH set the launch config
-    at import; a bad value fails with the variable's name."""
+    at import; a bad value (a count or a 0|1 flag) fails with the variable's name."""
     code = ("import torch; from mpzero.kernels import cuda as kc; "
             "t, _, c = kc.get_launch_config(); print(t, c, kc.prefetch())")
     env = dict(os.environ, MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768",
@@ -656,3 +656,7 @@ def test_launch_environment_variables():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "MPZERO_CHUNK_ELEMS='16k'" in out.stderr
+    env.update(MPZERO_CHUNK_ELEMS="32768", MPZERO_PREFETCH="yes")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "MPZERO_PREFETCH='yes': expected 0 or 1" in out.stderr
