@@ -646,17 +646,16 @@ def test_launch_environment_variables():
     at import; a bad value (a count or a 0|1 flag) fails with the variable's name."""
     code = ("import torch; from mpzero.kernels import cuda as kc; "
             "t, _, c = kc.get_launch_config(); print(t, c, kc.prefetch())")
-    env = dict(os.environ, MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768",
-               MPZERO_PREFETCH="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
+
+    def import_with(**env):
+        return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
+                              capture_output=True, text=True, timeout=120)
+
+    good = dict(MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768", MPZERO_PREFETCH="1")
+    out = import_with(**good)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["256", "32768", "True"]
-    env["MPZERO_CHUNK_ELEMS"] = "16k"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = import_with(**dict(good, MPZERO_CHUNK_ELEMS="16k"))
     assert out.returncode != 0 and "MPZERO_CHUNK_ELEMS='16k'" in out.stderr
-    env.update(MPZERO_CHUNK_ELEMS="32768", MPZERO_PREFETCH="yes")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = import_with(**dict(good, MPZERO_PREFETCH="yes"))
     assert out.returncode != 0 and "MPZERO_PREFETCH='yes': expected 0 or 1" in out.stderr
