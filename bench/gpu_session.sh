@@ -104,7 +104,7 @@ for s in $stages; do
     mlp) stage mlp python3 bench/bench_mlp.py --iters 30 ;;
     heads) stage heads python3 bench/bench_heads_grad.py --iters 30 ;;
     prefetch) stage prefetch-tests python3 -m pytest -q tests/gpu/test_kernels.py \
-                -k "split_access or environment" --timeout 120 -p no:cacheprovider
+                -k "split_access or environment or launch_config" --timeout 120 -p no:cacheprovider
               stage step-noprefetch python3 bench/bench_step.py --reps 40 \
                 --json "$OUT/step_noprefetch.json"
               MPZERO_PREFETCH=1 stage step-prefetch python3 bench/bench_step.py --reps 40 \
