@@ -8,7 +8,13 @@ World 1 (a one-rank process group, NCCL on CUDA, gloo on CPU). Gradients come fr
 a backward outside the timed region (through the optimizer's gradient hooks, as in
 training); each row shows the median of ``--reps`` timed ``step()`` calls after
 warm-up: device time (CUDA events), host time of the call, and the peak memory
-allocated while stepping (model, grads, state and transients). The floor is a
+allocated while stepping (model, grads, state and transients).
+
+Two device times per row. ``step ms`` starts on an idle GPU (synchronized before
+the call), so it includes the time the host takes to launch the first kernel (and,
+for the eager modes, the Python before it). ``GPU ms`` keeps the GPU busy with a
+sleep kernel while the host enqueues the step, as in a training loop where the host
+runs ahead of the GPU: it is the time the step itself occupies the GPU. The floor is a
 device copy moving 28 bytes per parameter (fp32 master, m, v read and written,
 bf16 grad read, bf16 param written) at the copy bandwidth measured in the same run.
 """
@@ -40,15 +46,22 @@ def _sync(args):
         torch.cuda.synchronize()
 
 
-class _Timer:
-    """Device time (CUDA events) and host time of one call."""
+_AHEAD_CYCLES = 4_000_000  # ~2 ms of sleep at 2 GHz: far more than any step's launch
 
-    def __init__(self, args):
+
+class _Timer:
+    """Device time (CUDA events) and host time of one call. With ``ahead`` the GPU sleeps
+    while the host enqueues the call, so the device time leaves the launch out."""
+
+    def __init__(self, args, ahead: bool = False):
         self.cuda = args.device.type == "cuda"
+        self.ahead = ahead and self.cuda
 
     def __call__(self, fn):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.ahead:
+                torch.cuda._sleep(_AHEAD_CYCLES)
             start.record()
         t0 = time.perf_counter()
         fn()
@@ -97,21 +110,26 @@ def prepare(args, model_dtype, make_opt, graph=False):
 
 def run_setup(args, name, model_dtype, make_opt, graph=False):
     params, opt, backward, step = prepare(args, model_dtype, make_opt, graph)
-    timer = _Timer(args)
-    times, hosts = [], []
+    idle, ahead = _Timer(args), _Timer(args, ahead=True)
+    times, gpu_times, hosts = [], [], []
     _sync(args)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.reps):
         backward()
         _sync(args)
-        t, h = timer(step)
+        t, h = idle(step)
         times.append(t)
         hosts.append(h)
+        if ahead.ahead:
+            backward()
+            _sync(args)
+            gpu_times.append(ahead(step)[0])
     peak = (torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda"
             else float("nan"))
     n = sum(p.numel() for p in params)
     return dict(name=name, params=n, ms=statistics.median(times) * 1e3,
+                gpu_ms=statistics.median(gpu_times) * 1e3 if gpu_times else float("nan"),
                 host_ms=statistics.median(hosts) * 1e3, peak_gib=peak)
 
 
@@ -119,13 +137,14 @@ def copy_floor(args, n_params: int) -> dict:
     """Time a copy moving 28 bytes per parameter (14 read + 14 written)."""
     src = torch.empty(7 * n_params // 2, dtype=torch.float32, device=args.device)
     dst = torch.empty_like(src)
-    timer = _Timer(args)
     for _ in range(3):
         dst.copy_(src)
-    times = [timer(lambda: dst.copy_(src))[0] for _ in range(args.reps)]
-    t = statistics.median(times)
-    return dict(name="copy floor (28 B/param)", params=n_params, ms=t * 1e3, host_ms=float("nan"),
-                peak_gib=float("nan"), tbps=28 * n_params / t / 1e12)
+    t, gpu_t = (statistics.median(timer(lambda: dst.copy_(src))[0] for _ in range(args.reps))
+                for timer in (_Timer(args), _Timer(args, ahead=True)))
+    if args.device.type != "cuda":
+        gpu_t = float("nan")
+    return dict(name="copy floor (28 B/param)", params=n_params, ms=t * 1e3, gpu_ms=gpu_t * 1e3,
+                host_ms=float("nan"), peak_gib=float("nan"), tbps=28 * n_params / t / 1e12)
 
 
 def setups(args):
@@ -201,10 +220,10 @@ def main() -> None:
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
     floor = copy_floor(args, results[0]["params"])
-    print(f"| {'setup':<34} | {'step ms':>8} | {'host ms':>8} | {'peak GiB':>8} |")
-    print(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
+    print(f"| {'setup':<34} | {'step ms':>8} | {'GPU ms':>8} | {'host ms':>8} | {'peak GiB':>8} |")
+    print(f"|{'-' * 36}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
     for r in results + [floor]:
-        print(f"| {r['name']:<34} | {r['ms']:>8.2f} | {r['host_ms']:>8.2f} | "
+        print(f"| {r['name']:<34} | {r['ms']:>8.2f} | {r['gpu_ms']:>8.2f} | {r['host_ms']:>8.2f} | "
               f"{r['peak_gib']:>8.2f} |")
     print(f"params: {results[0]['params'] / 1e6:.1f}M; copy bandwidth {floor['tbps']:.2f} TB/s")
     if args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import matplotlib
 
@@ -25,6 +26,11 @@ def plot(result: dict, out: str) -> None:
     ax.barh(list(y), ms, color=colors)
     for yi, t in zip(y, ms):
         ax.text(t + 0.03, yi, f"{t:.2f}", va="center", fontsize=9)
+    gpu = [(yi, r["gpu_ms"]) for yi, r in zip(y, rows)
+           if not math.isnan(r.get("gpu_ms", float("nan")))]
+    if gpu:  # the same step with the launch hidden (the GPU busy while the host enqueues it)
+        ax.scatter([t for _, t in gpu], [yi for yi, _ in gpu], marker="|", s=300, color="black",
+                   zorder=3, label="GPU time, host ahead (launch hidden)")
     ax.axvline(floor["ms"], color="#d62728", linestyle="--",
                label=f"copy floor, 28 B/param ({floor['ms']:.2f} ms at {floor['tbps']:.2f} TB/s)")
     ax.axvline(floor["ms"] * 24 / 28, color="#d62728", linestyle=":",
