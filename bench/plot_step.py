@@ -39,7 +39,7 @@ def plot(result: dict, out: str) -> None:
     ax.set_xlabel("optimizer step, ms (median)")
     ax.set_xlim(0, max(ms) * 1.15)
     ax.set_title(f"{rows[0]['params'] / 1e6:.1f}M parameters ({meta['layers']} x Linear"
-                 f"({meta['hidden']}, {meta['hidden']})), {meta['gpu']}, torch {meta['torch']}",
+                 f"({meta['hidden']}, {meta['hidden']}))\n{meta['gpu']}, torch {meta['torch']}",
                  fontsize=10)
     ax.legend(loc="upper center", bbox_to_anchor=(0.4, -0.12), fontsize=9, ncol=1)
     save(fig, out)
