@@ -110,7 +110,7 @@ for s in $stages; do
               MPZERO_PREFETCH=1 stage step-prefetch python3 bench/bench_step.py --reps 40 \
                 --json "$OUT/step_prefetch.json"
               stage sweep-prefetch python3 bench/sweep_launch.py --reps 15 --threads 256,512 \
-                --chunks 16384,32768,65536 --prefetch 0,1 --grids block-per-chunk ;;
+                --chunks 8192,16384,32768,65536 --prefetch 0,1 --grids block-per-chunk ;;
     layernorm) stage layernorm-tests python3 -m pytest -q tests/gpu/test_layer_norm_cuda.py \
                  --timeout 120 -p no:cacheprovider
                stage layernorm python3 bench/bench_layer_norm.py --iters 30
