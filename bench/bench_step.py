@@ -139,10 +139,12 @@ def copy_floor(args, n_params: int) -> dict:
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    t, gpu_t = (statistics.median(timer(lambda: dst.copy_(src))[0] for _ in range(args.reps))
-                for timer in (_Timer(args), _Timer(args, ahead=True)))
-    if args.device.type != "cuda":
-        gpu_t = float("nan")
+
+    def median_s(timer):
+        return statistics.median(timer(lambda: dst.copy_(src))[0] for _ in range(args.reps))
+
+    t = median_s(_Timer(args))
+    gpu_t = median_s(_Timer(args, ahead=True)) if args.device.type == "cuda" else float("nan")
     return dict(name="copy floor (28 B/param)", params=n_params, ms=t * 1e3, gpu_ms=gpu_t * 1e3,
                 host_ms=float("nan"), peak_gib=float("nan"), tbps=28 * n_params / t / 1e12)
 
