@@ -651,10 +651,14 @@ def test_launch_environment_variables():
         return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env),
                               capture_output=True, text=True, timeout=120)
 
-    good = dict(MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768", MPZERO_PREFETCH="1")
+    # Each value differs from the default (512, 8192, loads ahead on), so each is seen.
+    good = dict(MPZERO_LAUNCH_THREADS="256", MPZERO_CHUNK_ELEMS="32768", MPZERO_PREFETCH="0")
     out = import_with(**good)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["256", "32768", "True"]
+    assert out.stdout.split() == ["256", "32768", "False"]
+    out = import_with(MPZERO_LAUNCH_THREADS="", MPZERO_CHUNK_ELEMS="", MPZERO_PREFETCH="")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["512", "8192", "True"]
     out = import_with(**dict(good, MPZERO_CHUNK_ELEMS="16k"))
     assert out.returncode != 0 and "MPZERO_CHUNK_ELEMS='16k'" in out.stderr
     out = import_with(**dict(good, MPZERO_PREFETCH="yes"))
