@@ -24,8 +24,8 @@
 #   layernorm: the fused LayerNorm's and RMSNorm's GPU tests, bench/bench_layer_norm.py (both
 #              norms), and the 1.3B GA4 dfa iteration with and without --layernorm-fusion
 #   prefetch:  the Adam kernels' loads ahead (set_prefetch): the access-pattern bit tests,
-#              bench_step.py without and with MPZERO_PREFETCH=1, and the launch sweep of
-#              chunk sizes with both
+#              bench_step.py with MPZERO_PREFETCH=0 and with the default (on), and the
+#              launch sweep of chunk sizes with both
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -105,9 +105,9 @@ for s in $stages; do
     heads) stage heads python3 bench/bench_heads_grad.py --iters 30 ;;
     prefetch) stage prefetch-tests python3 -m pytest -q tests/gpu/test_kernels.py \
                 -k "split_access or environment or launch_config" --timeout 120 -p no:cacheprovider
-              stage step-noprefetch python3 bench/bench_step.py --reps 40 \
+              MPZERO_PREFETCH=0 stage step-noprefetch python3 bench/bench_step.py --reps 40 \
                 --json "$OUT/step_noprefetch.json"
-              MPZERO_PREFETCH=1 stage step-prefetch python3 bench/bench_step.py --reps 40 \
+              stage step-prefetch python3 bench/bench_step.py --reps 40 \
                 --json "$OUT/step_prefetch.json"
               stage sweep-prefetch python3 bench/sweep_launch.py --reps 15 --threads 256,512 \
                 --chunks 8192,16384,32768,65536 --prefetch 0,1 --grids block-per-chunk ;;
