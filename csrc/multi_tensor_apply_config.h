@@ -18,7 +18,7 @@ struct LaunchConfig {
                                 // warp covers one contiguous span); false: 8 in a row
                                 // (0.8% slower on an H100, docs/kernels-notes.md)
   bool prefetch = true;         // Adam kernels with split access: the next block step's
-                                // loads issued before this step's math and stores (1-3%
+                                // loads issued before this step's math and stores (1-4%
                                 // faster on an H200, noise on an H100)
   bool persistent = false;      // elementwise launches: a persistent grid (SMs x resident
                                 // blocks walking the chunks) instead of one block per
