@@ -603,8 +603,9 @@ def test_argument_errors_raise_with_their_numbers():
 
 # ---- split access (set_split_access): the same bits, whatever the access pattern ----------
 
-# Block steps are 4096 elements, chunks 16384: one, two, three and four steps per chunk,
-# each with and without a scalar tail.
+# Block steps are 4096 elements (512 threads x 8), default chunks 8192: sizes below, at and
+# around one and two steps, several whole and partial chunks, each with and without a
+# scalar tail.
 SPLIT_SIZES = [1, 7, 4095, 4096, 4097, 8200, 12289, 16384, 24581, 70001, 2**20 + 13]
 
 
