@@ -2,10 +2,11 @@
 
 Rows: device-to-device copy (the ceiling), torch.optim.AdamW(fused=True) fp32, and
 mpzero's kernel for fp32, mixed (fp32 p/m/v, bf16 grad and bf16 p_out), capturable
-mixed (lr/step/found_inf on the device; eager and replayed from a CUDA graph) and
-bf16 + int16 remainders. Each at the given total sizes, split over 4 tensors per list,
-random data, warm-up, then the median of ``--iters`` timings with CUDA events, every row
-measured ``--repeat`` times.
+mixed (lr, step, or lr/step/found_inf on the device; eager and replayed from a CUDA graph)
+and bf16 + int16 remainders; the mixed, capturable and remainders rows also with the Adam
+kernels' loads ahead off (``set_prefetch(False)``; on by default). Each at the given total
+sizes, split over 4 tensors per list, random data, warm-up, then the median of ``--iters``
+timings with CUDA events, every row measured ``--repeat`` times.
 
 Effective bandwidth counts each input read once and each output written once:
   copy 8 B/elem (fp32 read + write); fp32 Adam 28 (p, g, m, v read 16; p, m, v written 12);
@@ -175,6 +176,17 @@ def _capturable_args():
     )
 
 
+def _mixed_on_device(name: str):
+    """The mixed row with one scalar (``lr`` or ``step``) a 0-dim device tensor, as
+    ``_capturable_args`` makes it, the other a number."""
+    def case(n, iters):
+        lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
+        kw = dict(HP, lr=1e-4, step=10)
+        kw[name] = _capturable_args()[name]
+        return _time(lambda: kernels.adam(*lists, **kw), iters), 28
+    return case
+
+
 def case_capturable(n, iters):
     lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
     kw = _capturable_args()
@@ -220,6 +232,12 @@ def _in_a_row(case):
     return _with(case, "split_access", False)
 
 
+def _no_loads_ahead(case):
+    """``case`` with the Adam kernels' loads ahead off (``kc.set_prefetch(False)``; the
+    default issues a thread's next block step's loads before this step's math)."""
+    return _with(case, "prefetch", False)
+
+
 def _persistent(case):
     """``case`` on a persistent grid (SMs x resident blocks walking the chunks,
     ``kc.set_persistent_grid(True)``; the default gives each chunk its own block)."""
@@ -231,9 +249,15 @@ CASES = [
     ("torch AdamW fused fp32", case_torch_fused),
     ("mpzero fp32", case_fp32),
     ("mpzero mixed", case_mixed),
+    ("mpzero mixed, device lr", _mixed_on_device("lr")),
+    ("mpzero mixed, device step", _mixed_on_device("step")),
     ("mpzero capturable mixed", case_capturable),
     ("mpzero capturable mixed, graph", case_capturable_graph),
     ("mpzero remainders", case_remainders),
+    ("mpzero mixed, no loads ahead", _no_loads_ahead(case_mixed)),
+    ("mpzero capturable mixed, no loads ahead", _no_loads_ahead(case_capturable)),
+    ("mpzero capturable mixed, graph, no loads ahead", _no_loads_ahead(case_capturable_graph)),
+    ("mpzero remainders, no loads ahead", _no_loads_ahead(case_remainders)),
     ("mpzero fp32, 8 in a row", _in_a_row(case_fp32)),
     ("mpzero mixed, 8 in a row", _in_a_row(case_mixed)),
     ("mpzero capturable mixed, graph, 8 in a row", _in_a_row(case_capturable_graph)),
