@@ -11,7 +11,12 @@ between backends lives in this file only:
   the caching allocator cannot hand their memory out while NCCL still uses it
   (they are freed only after the compute stream has waited for the event).
 - CPU/gloo: gloo has no coalescing manager and no streams; collectives are
-  issued one by one with ``async_op=True`` and waited on the host.
+  issued one by one with ``async_op=True`` and waited on the host. A collective
+  that needs another one's result (the redundant all-reduce of a reduce-scattered
+  shard) is issued when its :class:`Pending` is finished, and finishing one first
+  finishes every earlier such collective of the context: the second stages go out
+  in the order the first ones were issued, on every rank, whichever bucket a rank
+  happens to finish first.
 
 Groups of size 1 (and ``group=None`` without an initialized process group) are
 handled locally without any communication.
@@ -19,6 +24,7 @@ handled locally without any communication.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,10 +78,20 @@ class Pending:
     tensors: tuple = ()  # kept alive while the collective runs
     then: Callable[[], None] | None = None  # gloo: the next stage, run after the works
     done: bool = False
+    # gloo: the context's pendings with a ``then`` stage, in issue order (this one among them)
+    queue: collections.deque | None = None
 
     def wait(self) -> None:
         if self.done:
             return
+        queue = self.queue
+        if queue is not None:
+            # The ``then`` stages are collectives too: issue the earlier ones first, so
+            # their order is the issue order on every rank.
+            while queue and queue[0] is not self:
+                queue[0].wait()
+            if queue and queue[0] is self:
+                queue.popleft()
         for w in self.works:
             w.wait()
         if self.then is not None:
@@ -103,6 +119,8 @@ class CommContext:
             # buckets communicate concurrently.
             self.streams = [torch.cuda.Stream(self.device) for _ in range(pipeline_size)]
         self._next = itertools.cycle(range(len(self.streams))) if self.streams else None
+        # gloo: pendings whose second stage is still to be issued, in issue order.
+        self._staged: collections.deque[Pending] = collections.deque()
 
     @property
     def is_cuda(self) -> bool:
@@ -146,8 +164,12 @@ class CommContext:
                 event.record(stream)
             return Pending(event=event, tensors=(full, shard))
         work = stage1(True)
-        return Pending(works=[work] if work is not None else [], tensors=(full, shard),
-                       then=stage2 if red_n > 1 else None)
+        if red_n == 1:
+            return Pending(works=[work] if work is not None else [], tensors=(full, shard))
+        pending = Pending(works=[work] if work is not None else [], tensors=(full, shard),
+                          then=stage2, queue=self._staged)
+        self._staged.append(pending)
+        return pending
 
     def all_gather(self, shard: torch.Tensor, full: torch.Tensor,
                    group: dist.ProcessGroup | None) -> Pending:

@@ -142,6 +142,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self.greedy_grad_copy = True
         self._no_sync = False
         self._round_close_queued = False
+        self._grads_held = False  # some gradient waits in param.grad (no_sync)
         self._main_grads = False  # parameters carry main_grad (contiguous_grad_buffer)
 
         self._groups = _resolve_groups(process_group, distributed_process_group,
@@ -230,7 +231,10 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         return self.param_groups[group_id]["params"][param_id]
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        if not self.greedy_grad_copy or param.grad is None:
+        if param.grad is None:
+            return
+        if not self.greedy_grad_copy:
+            self._grads_held = True  # no_sync: it waits in param.grad
             return
         self._ensure_layout()
         self._take_grad(index, param)
@@ -265,6 +269,10 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         """After a gradient arrived: launch what is complete, in order."""
         self._norm_cache = None
         if self.overlap_grad_sync and not self._no_sync:
+            if self._param_sync.pending():
+                # Gathers the forward pass did not start (modules this rank skipped) go
+                # out before the first reduce-scatter, in bucket order, as on every rank.
+                self._param_sync.sync_all()
             self._grad.launch_ready()
             if not self._round_close_queued:
                 self._round_close_queued = True
@@ -277,6 +285,12 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         the same collectives (gradient accumulation without ``no_sync()``)."""
         self._round_close_queued = False
         if self.overlap_grad_sync and not self._no_sync and self._built:
+            if self._grads_held:
+                # Gradients that earlier no_sync() micro-batches left in param.grad belong
+                # to this round: a parameter this backward did not reach still holds one.
+                # Taken after the round closed, they would re-open buckets on this rank
+                # alone.
+                self._copy_pending_grads()
             self._grad.close_round()
             if self._main_grads:
                 # Layers write the next backward's gradients into the buffers in flight
@@ -308,6 +322,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
     def _copy_pending_grads(self) -> None:
         """Move gradients still held in ``param.grad`` into the buckets."""
         # Usually none (the gradient hooks took them): one pass that only reads .grad.
+        self._grads_held = False
         pending = [i for i, p in enumerate(self._params) if p.grad is not None]
         for i in pending:
             p = self._params[i]
@@ -317,6 +332,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
     def grad_sync(self) -> None:
         """Synchronize every gradient not yet synchronized (all ranks must call it)."""
         self._ensure_layout()
+        self.param_sync()  # pending gathers go out before the reduce-scatters, on every rank
         self._copy_pending_grads()
         self._grad.flush()  # bumps the gradient version (the norm cache key) if it syncs
 
