@@ -359,6 +359,37 @@ def test_optimizer_warns_when_module_is_ddp(world):
         assert ours[0][2] == __file__, got  # points at the user's line
 
 
+def _ddp_wrapped_after_optimizer():
+    """nanoGPT's order: the optimizer is built on the bare model, then the model is
+    wrapped in DDP. The first backward must refuse (both would reduce the gradients)."""
+    model = make_model(1)
+    opt = DistributedFusedAdam(param_groups(model), lr=LR, bucket_cap_mb=BUCKET_MB)
+    model = DDP(model)
+    x, y = data(1)[0][dist.get_rank()][0]
+    try:
+        F.mse_loss(model(x), y).backward()
+    except tc.DoubleReductionError as e:
+        msg = str(e)
+    else:
+        msg = None
+    # The bare model (the fix the message asks for) trains.
+    bare = model.module
+    del model
+    opt.zero_grad()
+    import gc
+
+    gc.collect()  # the dropped wrapper is gone
+    F.mse_loss(bare(x), y).backward()
+    opt.step()
+    return msg
+
+
+def test_ddp_wrapped_after_optimizer_fails_at_first_backward(world):
+    for msg in world(2, _ddp_wrapped_after_optimizer, timeout=60):
+        assert msg is not None, "no error although DDP reduces the gradients too"
+        assert "reduced twice" in msg and "model = DDP(model" in msg, msg
+
+
 def _state_dict_on_rank0_only():
     import time
 

@@ -25,7 +25,12 @@ import torch.distributed as dist
 from mpzero import comm
 from mpzero.optimizers import checkpoint, torch_compat
 from mpzero.optimizers.flat import flat_like, is_dense
-from mpzero.optimizers.layout import LayoutBuilder
+from mpzero.optimizers.layout import (
+    LayoutBuilder,
+    alignment_elements,
+    bucket_capacity_elements,
+    default_shard_size,
+)
 from mpzero.optimizers.layout_state import LayoutMixin
 from mpzero.optimizers.options import OptionError, check_options, check_sync_dtypes
 from mpzero.optimizers.step import StepMixin
@@ -143,6 +148,8 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         self._no_sync = False
         self._round_close_queued = False
         self._grads_held = False  # some gradient waits in param.grad (no_sync)
+        self._stepped = False  # step() ran and no gradient (nor zero_grad) came since
+        self._backward_seen = False  # the first backward's one-time checks are done
         self._main_grads = False  # parameters carry main_grad (contiguous_grad_buffer)
 
         self._groups = _resolve_groups(process_group, distributed_process_group,
@@ -190,6 +197,57 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         if module is not None:
             self.attach(module)
 
+    # -- read-only attributes apex code reads ----------------------------------------
+    @property
+    def process_group_size(self) -> int:
+        """Ranks in ``process_group`` (distributed x redundant)."""
+        return comm.group_size(self.process_group)
+
+    @property
+    def process_group_root(self) -> int:
+        """Global rank of ``process_group``'s first rank (the source of the parameter
+        broadcast)."""
+        pg = self.process_group
+        if pg is None or pg is comm.SELF or not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_global_rank(pg, 0)
+
+    @property
+    def alignment(self) -> int:
+        """Elements of ``grad_sync_dtype`` in 128 bytes: every fragment starts at a
+        multiple of it."""
+        return alignment_elements(self.grad_sync_dtype.itemsize)
+
+    @property
+    def default_shard_size(self) -> int:
+        """Elements of one rank's shard of a full bucket of the optimizer's dtypes
+        (``bucket_cap_mb`` over the distributed ranks, rounded up to the alignment)."""
+        capacity = bucket_capacity_elements(self.bucket_cap_mb, self.grad_sync_dtype.itemsize)
+        return default_shard_size(capacity, self.alignment, self.distributed_size)
+
+    def __repr__(self) -> str:
+        """The options, then each param group's hyperparameters (as torch optimizers)."""
+        options = dict(
+            adam_w_mode=self.adam_w_mode, dtype=self.dtype,
+            grad_sync_dtype=self.grad_sync_dtype, param_sync_dtype=self.param_sync_dtype,
+            device=self.device, distributed_size=self.distributed_size,
+            redundant_size=self.redundant_size, average_grad_sync=self.average_grad_sync,
+            overlap_grad_sync=self.overlap_grad_sync,
+            overlap_param_sync=self.overlap_param_sync, bucket_cap_mb=self.bucket_cap_mb,
+            pipeline_size=self.pipeline_size,
+            contiguous_param_buffer=self.contiguous_param_buffer,
+            contiguous_grad_buffer=self.contiguous_grad_buffer,
+            store_params=self.store_params, store_param_remainders=self.store_param_remainders,
+            with_scaled_states=self.with_scaled_states, nccl_ub=self.nccl_ub,
+            capturable=self.capturable)
+        lines = [f"{type(self).__name__} ("]
+        lines += [f"    {k}: {v}" for k, v in options.items()]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {group[k]}" for k in sorted(group) if k != "params"]
+        lines.append(")")
+        return "\n".join(lines)
+
     def _register_param(self, p: torch.Tensor, group: int) -> None:
         if p.requires_grad and not is_dense(p):
             raise OptionError("params: every parameter must be dense in memory, contiguous "
@@ -233,6 +291,9 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if param.grad is None:
             return
+        if not self._backward_seen:
+            self._first_backward()
+        self._stepped = False
         if not self.greedy_grad_copy:
             self._grads_held = True  # no_sync: it waits in param.grad
             return
@@ -260,10 +321,20 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
         """A layer added parameter ``index``'s gradient into its ``main_grad`` (the
         bucket buffer itself): it arrived, with nothing to copy."""
         ready.grad = None
+        if not self._backward_seen:
+            self._first_backward()
+        self._stepped = False
         if not self.greedy_grad_copy:
             return  # no_sync: it stays in the buffer, as param.grad would stay
         self._grad.add_grad(index, None)
         self._grad_arrived()
+
+    def _first_backward(self) -> None:
+        """Checks that need a backward pass, made once: a DistributedDataParallel wrapped
+        around the model after this optimizer was built would reduce every gradient a
+        second time."""
+        torch_compat.raise_if_ddp_reduces(self._params)
+        self._backward_seen = True
 
     def _grad_arrived(self) -> None:
         """After a gradient arrived: launch what is complete, in order."""
@@ -354,6 +425,7 @@ class DistributedFusedAdam(StepMixin, LayoutMixin, torch.optim.Optimizer):
             self._grad.reset()
         self._reset_grad_scale()
         self._norm_cache = None
+        self._stepped = False
 
     def param_sync(self) -> None:
         """Finish every pending parameter gather (all ranks must call it)."""

@@ -39,6 +39,12 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def default_shard_size(capacity: int, alignment: int, distributed_size: int) -> int:
+    """Elements of one rank's shard of a full bucket: ``capacity`` spread over the
+    distributed ranks, rounded up to ``alignment``, at least one alignment unit."""
+    return max(alignment, _round_up(math.ceil(capacity / distributed_size), alignment))
+
+
 @dataclass(frozen=True)
 class Fragment:
     """A contiguous piece of one flattened parameter inside one bucket."""
@@ -138,8 +144,7 @@ class LayoutBuilder:
             raise ValueError(f"distributed size must be positive, got {self.distributed_size}")
 
     def _shard_size(self, key) -> int:
-        align = self.alignment[key]
-        return max(align, _round_up(math.ceil(self.capacity[key] / self.distributed_size), align))
+        return default_shard_size(self.capacity[key], self.alignment[key], self.distributed_size)
 
     def add(self, params: Sequence[tuple[int, int, tuple]]) -> None:
         for index, numel, key in params:

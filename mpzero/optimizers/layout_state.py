@@ -66,9 +66,22 @@ class LayoutMixin:
         return self._builder
 
     def _bucket_key(self, dtype=None, grad_sync_dtype=None, param_sync_dtype=None) -> tuple:
-        key = check_sync_dtypes(dtype or self.dtype,
-                                grad_sync_dtype or (None if dtype else self.grad_sync_dtype),
-                                param_sync_dtype or (None if dtype else self.param_sync_dtype))
+        """The bucket key of ``init_params(..., dtype, grad_sync_dtype, param_sync_dtype)``.
+
+        As apex's: each ``None`` means the optimizer's own value of that option (not
+        ``dtype``'s), and the state ``dtype`` is optimizer-wide."""
+        if dtype is not None:
+            given = check_sync_dtypes(dtype, None, None, prefix="init_params: ")[0]
+            if given != self.dtype:
+                raise OptionError(
+                    f"init_params(dtype={given}): the optimizer state dtype is optimizer-wide "
+                    f"(dtype={self.dtype} here), as in apex; leave dtype out and give "
+                    "grad_sync_dtype= / param_sync_dtype= for buckets of other sync dtypes")
+        key = check_sync_dtypes(
+            self.dtype,
+            self.grad_sync_dtype if grad_sync_dtype is None else grad_sync_dtype,
+            self.param_sync_dtype if param_sync_dtype is None else param_sync_dtype,
+            prefix="init_params: ")
         self._register_key(key)
         return key
 
@@ -108,10 +121,16 @@ class LayoutMixin:
 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None,
                     param_sync_dtype=None) -> None:
-        """Lay out ``params`` now, in the order given (optionally with their own dtypes).
+        """Lay out ``params`` now, in the order given (optionally with their own sync dtypes).
 
         ``params=None``: every parameter not laid out yet, in the default (reverse
-        param-group) order."""
+        param-group) order; a tensor or an iterable of them otherwise. Parameters laid
+        out already are skipped. ``grad_sync_dtype`` / ``param_sync_dtype`` put these
+        parameters in buckets of those dtypes; each left ``None`` is the optimizer's own
+        option (as in apex, not ``dtype``). ``dtype`` (the state dtype) may only repeat the
+        optimizer's ``dtype``: anything else raises ``ValueError``, as apex does. Buckets
+        whose param-sync dtype differs from the optimizer's keep an fp32 master even with
+        ``store_param_remainders`` (remainders need bf16 parameters)."""
         if params is None:
             params = self._remaining_params()
         params = [params] if isinstance(params, torch.Tensor) else list(params)

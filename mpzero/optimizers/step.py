@@ -109,6 +109,13 @@ class StepMixin(DirectGradsMixin):
                        norm_type: float = 2.0) -> torch.Tensor:
         """Total gradient norm; folds ``min(1, max_norm / (norm + 1e-6))`` into the grad
         scale so the clipping costs no pass over the gradients."""
+        if isinstance(max_norm, torch.Tensor):
+            max_norm = float(max_norm)
+        if not max_norm > 0:  # also NaN
+            raise ValueError(
+                f"clip_grad_norm(max_norm={max_norm!r}): max_norm must be positive (a negative "
+                "one would turn the step uphill, zero would zero it); to log the norm without "
+                "clipping call grad_norm()")
         if parameters is not None and not isinstance(parameters, torch.Tensor):
             parameters = list(parameters)
         norm = self.grad_norm(parameters, norm_type)
@@ -133,16 +140,34 @@ class StepMixin(DirectGradsMixin):
             comm.all_reduce(flag, self.model_parallel_group, dist.ReduceOp.MAX)
         return flag
 
-    def unscale_grads(self, inv_scale: torch.Tensor | float | None = None, grad_scaler=None):
+    def unscale_grads(self, inv_scale: torch.Tensor | float | None = None,
+                      grad_scaler=None) -> dict:
         """Fold a gradient unscale into the grad scale (GradScaler integration).
 
-        With ``grad_scaler``, its inverse scale is used, inf/NaN in the synchronized
-        gradients is detected and recorded in the scaler's per-optimizer state (so
-        ``scaler.update()`` works) and that state is marked unscaled. A disabled scaler
-        (``enabled=False``) does nothing, as ``GradScaler.unscale_`` does."""
+        Give exactly one of ``inv_scale`` (the factor to multiply the gradients by) and
+        ``grad_scaler`` (a ``torch.amp.GradScaler``: its inverse scale is used, and the
+        inf/NaN found is recorded in its per-optimizer state, so ``scaler.step()`` skips
+        and ``scaler.update()`` backs off); ``ValueError`` otherwise. Call it between
+        the backward pass and :meth:`step`: after ``step()`` (before the next
+        gradients or ``zero_grad()``) it raises, since the factor would fall on the next
+        step's gradients.
+
+        Returns the found-inf flags as apex does, ``{device: flag}`` with a one-element
+        fp32 tensor that is 1.0 when any synchronized gradient of any rank is inf/NaN
+        (a collective: every rank calls it). A disabled scaler (``enabled=False``) does
+        nothing and returns ``{}``, as ``GradScaler.unscale_`` does nothing."""
+        if (inv_scale is None) == (grad_scaler is None):
+            raise ValueError("unscale_grads: give exactly one of inv_scale= and grad_scaler= "
+                             f"(got {'both' if inv_scale is not None else 'neither'})")
+        if self._stepped:
+            raise RuntimeError(
+                "unscale_grads() called after step() for the same gradients: the unscale "
+                "would apply to the next step's gradients. Call it after backward() and "
+                "before step() (or scaler.step(optimizer)).")
         self._ensure_layout()
         if grad_scaler is not None and not grad_scaler.is_enabled():
-            return
+            return {}
+        found = self._found_inf()
         if grad_scaler is not None:
             from torch.amp.grad_scaler import OptState
 
@@ -151,15 +176,13 @@ class StepMixin(DirectGradsMixin):
                 raise RuntimeError("unscale_grads() has already been called on this optimizer "
                                    "since the last update()")
             scale = grad_scaler._scale
-            if inv_scale is None:
-                inv_scale = scale.double().reciprocal().float()
-            found = self._found_inf()
+            inv_scale = scale.double().reciprocal().float()
             state["found_inf_per_device"][found.device] = found.to(scale.device)
             state["stage"] = OptState.UNSCALED
-        if inv_scale is not None:
-            inv = torch.as_tensor(inv_scale, dtype=torch.float32).to(self.device)
-            self._grad_scale.mul_(inv)
-            self._grad_scaled = True
+        inv = torch.as_tensor(inv_scale, dtype=torch.float32).to(self.device)
+        self._grad_scale.mul_(inv)
+        self._grad_scaled = True
+        return {found.device: found.reshape(1)}
 
     def step(self, closure=None, *, grad_scaler=None):
         """One optimizer step (see the module docstring for the flow).
@@ -201,6 +224,7 @@ class StepMixin(DirectGradsMixin):
             found_inf = sum(v.to(self.device) for v in state["found_inf_per_device"].values())
             if not self.capturable and found_inf.item():
                 self._reset_grad_scale()  # skipped: same decision on every rank
+                self._stepped = True
                 return loss
         if self.capturable:
             self._step_t.add_(1.0 if found_inf is None else 1.0 - found_inf)
@@ -217,6 +241,7 @@ class StepMixin(DirectGradsMixin):
         self._grad.mark_stepped()
         self._reset_grad_scale()
         self._norm_cache = None
+        self._stepped = True
         return loss
 
     _observed_step = torch.optim.Optimizer.profile_hook_step(_step)

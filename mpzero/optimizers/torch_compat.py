@@ -13,7 +13,8 @@ call it. See ``docs/migrating.md`` for the user-facing side.
 - :func:`check_collective_entry`: a collective API (``state_dict()``) entered on
   only some ranks fails within a bounded time instead of hanging.
 - :func:`warn_if_wrapped_in_ddp` / :func:`find_ddp` / :func:`inside_ddp_forward`:
-  a model still wrapped in ``DistributedDataParallel``.
+  a model still wrapped in ``DistributedDataParallel``; :func:`raise_if_ddp_reduces`:
+  one wrapped after the optimizer was built (checked at the first backward).
 - :func:`torch_clip_would_be_noop`: what ``torch.nn.utils.clip_grad_norm_`` sees
   under ZeRO-2 (every ``param.grad`` freed) -- for the guide and tests; see its
   docstring for why the optimizer cannot detect that call itself.
@@ -39,6 +40,9 @@ from mpzero.optimizers.options import OptionError
 __all__ = [
     "MigrationWarning",
     "CollectiveMismatchError",
+    "DoubleReductionError",
+    "ddp_reducing",
+    "raise_if_ddp_reduces",
     "KNOWN_PARAM_GROUP_KEYS",
     "SCHEDULER_PARAM_GROUP_KEYS",
     "register_param_group_key",
@@ -383,6 +387,50 @@ def find_ddp(module) -> torch.nn.parallel.DistributedDataParallel | None:
         if isinstance(m, ddp_cls):
             return m
     return None
+
+
+class DoubleReductionError(RuntimeError):
+    """A ``DistributedDataParallel`` reduces the gradients this optimizer reduces too."""
+
+
+def ddp_reducing(params) -> torch.nn.parallel.DistributedDataParallel | None:
+    """A live ``DistributedDataParallel`` that reduces any of ``params``, else ``None``.
+
+    DDP keeps no Python-visible mark on the parameters it reduces (its reducer's hooks
+    live in C++), and a model wrapped after the optimizer was built (``model =
+    DDP(model)``, nanoGPT's order) is never handed to the optimizer. So this looks at
+    every live DDP module once (one pass over the garbage collector's objects): call
+    it once, at the first backward pass (``DistributedFusedAdam`` does)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None  # DDP needs a process group: none can exist
+    ids = {id(p) for p in params}
+    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance on a dead weakref proxy raises.
+        if issubclass(type(obj), ddp_cls):
+            reduced = getattr(obj, "_module_parameters", None)
+            if reduced is None:
+                reduced = list(obj.module.parameters())
+            if any(id(p) in ids for p in reduced):
+                return obj
+    return None
+
+
+def raise_if_ddp_reduces(params) -> None:
+    """Raise :class:`DoubleReductionError` when a ``DistributedDataParallel`` reduces any
+    of ``params`` (see :func:`ddp_reducing`); called by ``DistributedFusedAdam`` at the
+    first backward pass, so both reductions cannot run unnoticed."""
+    ddp = ddp_reducing(params)
+    if ddp is not None:
+        raise DoubleReductionError(
+            "a torch.nn.parallel.DistributedDataParallel wraps a model whose parameters this "
+            "DistributedFusedAdam optimizes, so every gradient would be reduced twice (DDP's "
+            "all-reduce, then the optimizer's reduce-scatter). Remove the line that wraps the "
+            "model, e.g. `model = DDP(model, ...)`, and call the bare model. " + _DDP_ADVICE)
 
 
 def inside_ddp_forward() -> bool:
