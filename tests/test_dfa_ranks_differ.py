@@ -52,7 +52,9 @@ class Bag(torch.nn.Module):
     def __init__(self, shapes, seed: int):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.terms = torch.nn.ModuleList(Term(torch.randn(s, generator=g)) for s in shapes)
+        dev = torch.get_default_device()
+        self.terms = torch.nn.ModuleList(
+            Term(torch.randn(s, generator=g, device="cpu").to(dev)) for s in shapes)
 
     def forward(self, used, coefs) -> torch.Tensor:
         return sum(self.terms[i](*coefs[i]) for i in used)
@@ -60,7 +62,9 @@ class Bag(torch.nn.Module):
 
 def _coefs(shapes, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(s, generator=g), torch.rand(s, generator=g)) for s in shapes]
+    dev = torch.get_default_device()
+    return [(torch.randn(s, generator=g, device="cpu").to(dev),
+             torch.rand(s, generator=g, device="cpu").to(dev)) for s in shapes]
 
 
 def _train(plan: dict) -> bool:
@@ -164,6 +168,25 @@ def test_no_sync_then_skip_on_2x2_grid(world):
     rest, rev = ALL[1:], ALL[::-1]
     steps = [[_micro([ALL, rev, ALL, rev], True), _micro([rest, ALL, rev[:-1], [3]])]] * 2
     assert all(world(4, _train, _plan("2x2", steps, param_overlap=True), timeout=60))
+
+
+def world1_plans() -> list[dict]:
+    """The patterns above at world 1 (for the CUDA/NCCL suite): other orders and skips
+    across micro-batches and steps, no_sync (held and greedy), gathers of skipped modules."""
+    rev, some = ALL[::-1], [0, 1, 2]
+    return [
+        _plan("flat", [[_micro([ALL]), _micro([rev]), _micro([[2]])]] * 2),
+        _plan("flat", [[_micro([ALL])], [_micro([some]), _micro([rev])]] * 2, param_overlap=True),
+        _plan("flat", [[_micro([ALL], True), _micro([ALL[1:]])]] * 2),
+        _plan("flat", [[_micro([rev], True, True), _micro([some])]] * 2, param_overlap=True),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_world1_patterns(world):
+    """The same patterns at world 1 (every collective is local)."""
+    for plan in world1_plans():
+        assert all(world(1, _train, plan, timeout=60))
 
 
 # ------------------------------------------------------------------ property test

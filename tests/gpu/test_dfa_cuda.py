@@ -23,6 +23,16 @@ def _on_cuda(fn_name, module, *args):
         torch.set_default_device("cpu")
 
 
+def _ranks_differ_plans():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_dfa_ranks_differ import world1_plans
+
+    return world1_plans()
+
+
 CHECKS = [
     ("_many_configs", "test_dfa_numerics", ("flat",)),
     ("_bias_correction_off", "test_dfa_numerics", ()),
@@ -50,10 +60,15 @@ CHECKS = [
     ("_fallbacks", "test_direct_grads", ("skip",)),
     ("_fallbacks", "test_direct_grads", ("accumulate",)),
     ("_fallbacks", "test_direct_grads", ("shard_read",)),
+    *[("_train", "test_dfa_ranks_differ", (plan,)) for plan in _ranks_differ_plans()],
+    ("_unscale_misuse", "test_dfa_apex_api", ()),
+    ("_init_params_dtypes", "test_dfa_apex_api", ()),
 ]
 
 
-@pytest.mark.parametrize("fn,module,args", CHECKS, ids=[f"{c[0]}{c[2]}" for c in CHECKS])
+@pytest.mark.parametrize("fn,module,args", CHECKS,
+                         ids=[f"{c[0]}{c[2]}" if len(repr(c[2])) < 60 else f"{c[0]}-{i}"
+                              for i, c in enumerate(CHECKS)])
 def test_dfa_on_cuda_nccl(fn, module, args):
     import sys
     from pathlib import Path
