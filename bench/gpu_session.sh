@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One device call, in priority order: build mpzero._C, run the GPU tests, time the kernels,
-# measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers. Logs go to $OUT (default runs/gpu).
+# measure memory per rank (bench_memory.py), run the GPT example on the GPU with both optimizers.
+# Logs and JSON go to $OUT (default runs/gpu, ignored by git). A result set worth keeping is
+# written up as bench/results/<theme>_<gpu>_<yyyymmdd>.md (what, GPU, torch, commit, command,
+# table; see bench/results/README.md) and the tables of docs/performance.md are updated from it.
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]

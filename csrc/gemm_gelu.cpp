@@ -8,7 +8,7 @@
 // 0.80 ms for DGELU alone and 0.77 for the plain GEMM; the bias gradient is a separate
 // reduction, see mpzero/tensor_parallel/gelu_mlp.py. The BGRADB epilogue on the weight-
 // gradient GEMM, which reads the same dz, was slower too: 0.846 ms against 0.826 for that
-// GEMM plus a separate sum; docs/performance.md.)
+// GEMM plus a separate sum, on an H100.)
 // cuBLASLt's GELU is the tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
 // Row-major [M, N] tensors are column-major [N, M] matrices to cuBLASLt, so each product
 // is computed transposed: y^T = W1 x^T (W1 [N, K] row-major = column-major [K, N], op T),
@@ -111,7 +111,7 @@ void lt_matmul(const at::Tensor& like, bool transa, bool transb, int64_t m, int6
 }
 
 // "[a, b]" built by hand, and every number through num() (messages.h): streaming an integer
-// or an IntArrayRef into TORCH_CHECK's message crashes this extension on the GPU machine.
+// or an IntArrayRef into TORCH_CHECK's message crashes this extension with torch 2.11.
 std::string shape(const at::Tensor& t) {
   std::string out = "[";
   for (int64_t d = 0; d < t.dim(); ++d) {

@@ -7,7 +7,7 @@
 //     their chunk counts. More tensors than fit become several launches.
 //   * Elementwise launches (Adam, casts) give each chunk its own block: grid = total chunks
 //     (launch_config().persistent = false, the default; one block per chunk measured 4-5%
-//     faster than a persistent grid on an H100, docs/kernels-notes.md). Reductions (the L2
+//     faster than a persistent grid on an H100, docs/kernels.md). Reductions (the L2
 //     norm, one partial per block) and `persistent = true` use a persistent grid:
 //     min(total chunks, SMs x blocks per SM) blocks. Either way a block walks chunks
 //     blockIdx.x, blockIdx.x + gridDim.x, ... and finds its tensor by a binary search over
@@ -446,7 +446,7 @@ __device__ __forceinline__ void store1_out(OutKind k, void* base, int64_t i, flo
 
 // __launch_bounds__(512, 1): the Adam kernels use up to ~128 registers, one 512-thread block
 // per SM (16 warps, each thread with 8 x 16-byte loads in flight). A (256, 3) bound (80
-// registers, 24 warps) and L2 prefetching were measured slower (docs/kernels-notes.md).
+// registers, 24 warps) and L2 prefetching were measured slower (docs/kernels.md).
 template <int DEPTH, class Op>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, int64_t chunk, Op op) {

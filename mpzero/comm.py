@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# torch >= 2.13 renamed the tensor collectives; older builds (the GPU machine's
-# torch 2.11) only have the original names.
+# torch >= 2.13 renamed the tensor collectives; older builds (e.g. torch 2.11) only
+# have the original names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -282,7 +282,7 @@ def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: in
     value; ``blocks_per_sm`` (persistent grids only: the L2 norm, and the elementwise
     kernels after ``set_persistent_grid(True)``): -1 keeps it, 0 means as many as the
     occupancy calculator allows. Defaults (512, 0, 8192), with the loads ahead
-    (``set_prefetch``), were the fastest measured on an H200 (docs/kernels-notes.md)."""
+    (``set_prefetch``), were the fastest measured on an H200 (docs/kernels.md)."""
     _C.set_launch_config(int(threads), int(blocks_per_sm), int(chunk_elems))
 
 
@@ -328,7 +328,7 @@ def prefetch() -> bool:
 def set_persistent_grid(on: bool) -> None:
     """Elementwise kernels (Adam, casts and copies): a persistent grid (SMs x resident
     blocks, each walking many chunks) instead of one block per chunk (the default, 4-5%
-    faster on an H100: docs/kernels-notes.md). The L2 norm always uses a persistent grid.
+    faster on an H100: docs/kernels.md). The L2 norm always uses a persistent grid.
     Results do not depend on it; only the time does."""
     _C.set_persistent_grid(bool(on))
 

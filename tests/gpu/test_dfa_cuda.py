@@ -1,4 +1,4 @@
-"""The DistributedFusedAdam suite on CUDA tensors with NCCL at world 1 (the GPU machine).
+"""The DistributedFusedAdam suite on CUDA tensors with NCCL at world 1 (where CUDA is present).
 
 Each check is a CPU/gloo test's rank function, run with CUDA as the default device
 inside a one-rank NCCL world, so the side-stream and event code paths are real.
