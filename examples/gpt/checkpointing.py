@@ -39,6 +39,7 @@ import torch.distributed as dist
 from mpzero import parallel_state
 from mpzero import tensor_parallel as tp
 from mpzero.checkpoint import dcp as mdcp
+from mpzero.checkpoint import safe_load
 
 FORMAT = "mpzero-gpt-checkpoint-1"
 DCP_DIR = "dcp"
@@ -267,7 +268,10 @@ def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
     if actual != expected:
         raise CheckpointError(f"checksum mismatch for {path}: manifest says {expected[:12]}..., "
                               f"file has {actual[:12]}... (corrupted or partially written)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return safe_load.torch_load(path)
+    except safe_load.UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _verify_local(ckpt: Path, r: dict) -> str | None:
@@ -292,13 +296,20 @@ def _verify_local(ckpt: Path, r: dict) -> str | None:
                 return f"{path} is missing"
             if sha256_file(path) != expected:
                 return f"checksum mismatch for {path} (truncated, corrupted or half-written)"
+            if name.endswith(".pt"):
+                # The manifest is not signed: a replaced file comes with its checksum.
+                # Unpickling it with weights_only (tensors mapped, not read) tells a
+                # file that would run code from data before anything is loaded.
+                safe_load.torch_load(path, mmap=True)
+        if manifest.get("ckpt_format") == "torch_dist":  # DCP's metadata, read safely
+            safe_load.read_dcp_metadata(ckpt / DCP_DIR / ".metadata")
         if r["rank"] == 0:
             for name in manifest["files"]:
                 if not (ckpt / name).exists():
                     return f"{ckpt / name} is missing (listed in the manifest)"
-    except CheckpointError as e:
+    except (CheckpointError, safe_load.UnsafeCheckpointError) as e:
         return str(e)
-    except (OSError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, RuntimeError, KeyError, TypeError, AttributeError) as e:
         return f"{ckpt}: unreadable ({e!r})"
     return None
 
