@@ -292,3 +292,24 @@ def test_tp2_to_tp1_to_tp2_round_trip_is_bit_exact(world, tmp_path):
                 assert torch.equal(sd0["state"][i][k], sd1["state"][i][k]), (i, k)
         for k, v in m0.items():
             assert torch.equal(v, m1[k]), k
+
+
+def _one_rank_wrong_model(path):
+    """Rank 1 loads into a model of another shape, rank 0 into the right one: both
+    refuse with the same error, and rank 0's model and optimizer are unchanged."""
+    model, opt = _opt("flat", TINY)
+    if dist.get_rank() == 1:
+        model.fc2 = torch.nn.Linear(13, 14)  # the saved fc2 is 13 x 13
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    with pytest.raises(ValueError) as info:
+        mdcp.load_sharded(path, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [g["lr"] for g in opt.param_groups] == lrs and opt.step_count() == 0
+    return str(info.value)
+
+
+def test_load_refused_on_one_rank_is_refused_on_all(world, saved):
+    msgs = world(2, _one_rank_wrong_model, saved[0])
+    assert msgs[0] == msgs[1] and "model key 'fc2.weight'" in msgs[0], msgs
+    assert "refused on rank 1" in msgs[0]
