@@ -11,17 +11,19 @@ Layout of ``--save DIR``::
         rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
         manifest.json                iteration, args, data position, grid, sha256 of each file
 
-The model shards are written by the first data-parallel rank of each TP rank
-(the data-parallel replicas hold the same shard). The optimizer state is
-DistributedFusedAdam's format-2 ``state_dict()``, which every rank of the
-data-parallel group computes together and which is the same on all of them: it
-is stored beside that TP rank's model shard, and loads at any
-distributed x redundant grid. Every file goes to a temporary name in the same
-directory, is fsynced and ``os.replace``d into place; ``manifest.json`` (with
-the checksums) comes after all files, ``latest`` after the manifest. A crash
-mid-save leaves ``latest`` on the previous checkpoint, and a corrupted file is
-refused on load (checksum mismatch). Resuming picks the newest checkpoint that
-verifies on every rank (:func:`find_loadable_checkpoint`); see docs/reliability.md.
+``torch_dist`` loads at any TP size and distributed x redundant grid (model and
+optimizer state, :mod:`mpzero.checkpoint.dcp`). In ``torch``, the model shards are
+written by the first data-parallel rank of each TP rank (the data-parallel replicas
+hold the same shard), beside DistributedFusedAdam's format-2 ``state_dict()`` (the
+same on every rank of the data-parallel group): it loads at any distributed x
+redundant grid, at the TP size of the save only. Every file goes to a temporary name
+in the same directory, is fsynced and ``os.replace``d into place; ``manifest.json``
+(with the checksums) comes after all files, ``latest`` after the manifest. A crash
+mid-save leaves ``latest`` on the previous checkpoint; a corrupted file, or one that
+would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused on
+load. Resuming picks the newest checkpoint that verifies on every rank
+(:func:`find_loadable_checkpoint`) and stops at one made for another run
+(:class:`CheckpointMismatch`); see docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -10,12 +10,15 @@ which range of which full tensor a tensor is::
 
 Replicas (redundant optimizer ranks, DP replicas of a TP shard) produce the same
 keys, which DCP writes once. ``mpzero.json`` beside DCP's files holds what is not
-a tensor: param groups, step, full shapes, the partition dims and the grid. A
-loading rank reads DCP's metadata (the list of keys and sizes), asks DCP for the
-saved ranges that overlap what it holds in *its* grid, and copies those pieces in:
-any tensor-parallel size (that divides the shapes) and any distributed x redundant
-grid, and no rank ever holds a full state. Loads are all or nothing: everything is
-read and checked before the model or optimizer is touched.
+a tensor: param groups, step, full shapes, the grid, and the partition dim of every
+model tensor and optimizer parameter (from the layers' ``tensor_model_parallel`` /
+``partition_dim`` marks, so also at TP 1). A loading rank reads DCP's metadata (the
+list of keys and sizes; through :mod:`mpzero.checkpoint.safe_load`, never a plain
+unpickling), asks DCP for the saved ranges that overlap what it holds in *its* grid,
+and copies those pieces in: any tensor-parallel size (that divides the shapes), for
+the model and the optimizer state, and any distributed x redundant grid; no rank ever
+holds a full state. Loads are all or nothing across the ranks: everything is read and
+checked, and the ranks agree, before any model or optimizer is touched.
 """
 
 from __future__ import annotations
