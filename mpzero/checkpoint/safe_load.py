@@ -78,8 +78,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         self.source = source
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        # torch.__dict__, not getattr: torch's module __getattr__ imports submodules lazily.
+        if module == "torch" and isinstance(torch.__dict__.get(name), torch.dtype):
+            return torch.__dict__[name]
         if (module, name) not in ALLOWED_GLOBALS:
             raise UnsafeCheckpointError(
                 f"{self.source}: refused to unpickle {module}.{name}: DCP metadata holds "

@@ -109,9 +109,9 @@ def _check_groups(opt, groups) -> None:
 
 
 def _is_number(v) -> bool:
-    if isinstance(v, torch.Tensor):
-        return v.numel() == 1 and not v.is_meta and (v.is_floating_point()
-                                                      or not v.dtype.is_complex)
+    if isinstance(v, torch.Tensor):  # a capturable optimizer's lr may be a tensor
+        return (v.numel() == 1 and not v.is_meta and not v.dtype.is_complex
+                and v.dtype != torch.bool)
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -429,8 +429,10 @@ def agree(error: BaseException | None, group, device) -> None:
     every rank."""
     n = comm.group_size(group)
     if n == 1:
+        if isinstance(error, ValueError):
+            raise error
         if error is not None:
-            raise error if isinstance(error, ValueError) else ValueError(_text(error))
+            raise ValueError(_text(error)) from error
         return
     import torch.distributed as dist
 
@@ -455,8 +457,8 @@ def agree(error: BaseException | None, group, device) -> None:
     if int(head[1]):
         from mpzero.checkpoint.safe_load import UnsafeCheckpointError
 
-        raise UnsafeCheckpointError(msg)
-    raise ValueError(msg)
+        raise UnsafeCheckpointError(msg) from error  # the refusing rank keeps its cause
+    raise ValueError(msg) from error
 
 
 def _text(error: BaseException) -> str:

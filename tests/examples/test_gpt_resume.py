@@ -140,6 +140,42 @@ def test_other_optimizer_is_refused_naming_the_flag(tmp_path):
                              "adamw: relaunch with --optimizer dfa, or add --no-load-optim"):
         resume.prepare(_args("--optimizer", "adamw", load=tmp_path))
     resume.prepare(_args("--optimizer", "adamw", "--no-load-optim", load=tmp_path))
+    _save(tmp_path, 6, "--optimizer", "adamw")  # and the reverse
+    with pytest.raises(checkpointing.CheckpointMismatch,
+                       match="holds the state of --optimizer adamw .*this run has --optimizer "
+                             "dfa: relaunch with --optimizer adamw"):
+        resume.prepare(_args(load=tmp_path))
+
+
+def _dfa_state_into_adamw(root: str, fmt: str):
+    """Without the command line to go by (the library call): a DistributedFusedAdam
+    checkpoint loaded into torch's AdamW is a clear error, nothing loaded."""
+    from mpzero import parallel_state as ps
+    from mpzero.optimizers import DistributedFusedAdam
+
+    ps.initialize_model_parallel()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=128, seq_length=8, num_layers=1, hidden_size=16,
+                    num_attention_heads=2)
+    model = GPT(cfg)
+    opt = DistributedFusedAdam(model.param_groups(0.1), lr=1e-3,
+                               **ps.get_optimizer_process_groups())
+    checkpointing.save_checkpoint(root, 1, model, opt, ckpt_format=fmt)
+    other = GPT(cfg)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    adamw = torch.optim.AdamW(other.param_groups(0.1), lr=1e-3)
+    try:
+        checkpointing.load_checkpoint(root, other, adamw)
+    except checkpointing.CheckpointError as e:
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_dfa_state_into_another_optimizer_is_a_clear_error(world, tmp_path, fmt):
+    (msg,) = world(1, _dfa_state_into_adamw, str(tmp_path / fmt), fmt)
+    assert msg is not None and "DistributedFusedAdam" in msg and "AdamW" in msg, msg
 
 
 def test_missing_load_directory(tmp_path):
