@@ -232,8 +232,12 @@ def _tp_load_save(path, tp, with_optim, out=None):
         for p in model.parameters():
             p.zero_()
     opt = _tp_opt(model)
-    mdcp.load_sharded(path, model, opt if with_optim else None,
-                      tp_group=ps.get_tensor_model_parallel_group())
+    chunk, mdcp._RESHARD_CHUNK = mdcp._RESHARD_CHUNK, 7  # many pieces per parameter range
+    try:
+        mdcp.load_sharded(path, model, opt if with_optim else None,
+                          tp_group=ps.get_tensor_model_parallel_group())
+    finally:
+        mdcp._RESHARD_CHUNK = chunk
     if out is not None:
         mdcp.save_sharded(out, model, opt, tp_group=ps.get_tensor_model_parallel_group())
     return opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}

@@ -328,6 +328,9 @@ def _block_index(g: torch.Tensor, full: list[int], dim: int | None,
     return row // rows, (a * rows + row % rows) * b + col
 
 
+_RESHARD_CHUNK = 1 << 22  # elements per piece when resharding the optimizer over TP
+
+
 def _resharded_optim_pieces(directory, meta, keys, optimizer, tp_group, mine,
                             model) -> dict[int, list]:
     """Optimizer pieces saved at another TP size, cut to this rank's shards.
@@ -365,7 +368,11 @@ def _resharded_optim_pieces(directory, meta, keys, optimizer, tp_group, mine,
         if saved_full != full:
             raise ValueError(f"{directory}: parameter {i}" + (f" ({name})" if name else "")
                              + f" was saved with full shape {saved_full}, this run has {full}")
-        for lo, hi in spans:
+        # Bounded pieces: the index tensors (8 bytes per element, a few of them) stay
+        # small next to the state itself, however large a parameter is.
+        chunks = [(c, min(c + _RESHARD_CHUNK, hi)) for lo, hi in spans
+                  for c in range(lo, hi, _RESHARD_CHUNK)]
+        for lo, hi in chunks:
             g = _global_index(torch.arange(lo, hi, dtype=torch.int64), full, dim, tp_size,
                               tp_rank)
             src_rank, src = _block_index(g, full, sdim, saved_tp)
