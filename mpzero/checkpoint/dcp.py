@@ -16,9 +16,11 @@ model tensor and optimizer parameter (from the layers' ``tensor_model_parallel``
 list of keys and sizes; through :mod:`mpzero.checkpoint.safe_load`, never a plain
 unpickling), asks DCP for the saved ranges that overlap what it holds in *its* grid,
 and copies those pieces in: any tensor-parallel size (that divides the shapes), for
-the model and the optimizer state, and any distributed x redundant grid; no rank ever
-holds a full state. Loads are all or nothing across the ranks: everything is read and
-checked, and the ranks agree, before any model or optimizer is touched.
+the model and the optimizer state, and any distributed x redundant grid. DCP reads a
+saved piece whole, so a rank holds the saved pieces overlapping its part (its share
+when the checkpoint was written by as many ranks; more when by fewer). Loads are all
+or nothing across the ranks: everything is read and checked, and the ranks agree,
+before any model or optimizer is touched.
 """
 
 from __future__ import annotations
