@@ -366,7 +366,7 @@ def _decide(ckpt: Path, r: dict) -> tuple[int, list[str]]:
     if not verdict:
         return 0, []
     if _distributed():  # the ranks' reasons (strings from our own processes)
-        whys: list = [None] * r["world"]
+        whys: list = [None] * dist.get_world_size()
         dist.all_gather_object(whys, mine[1] if mine else None)
     else:
         whys = [mine[1] if mine else None]
@@ -374,7 +374,7 @@ def _decide(ckpt: Path, r: dict) -> tuple[int, list[str]]:
     for k, w in enumerate(whys):
         if w:
             by_reason.setdefault(w, []).append(k)
-    reasons = [w if r["world"] == 1 else
+    reasons = [w if len(whys) == 1 else
                f"rank{'s' if len(ks) > 1 else ''} {','.join(map(str, ks))}: {w}"
                for w, ks in by_reason.items()]
     if mine:

@@ -265,8 +265,9 @@ def _dcp_crafted(root: str, marker: str):
     dist.barrier()
     chosen = checkpointing.choose_checkpoint(root)
     manifest = checkpointing.load_checkpoint(root, model, opt, ckpt=chosen)
-    shutil.rmtree(Path(root) / "iter_0000001", ignore_errors=True) \
-        if dist.get_rank() == 0 else None
+    dist.barrier()  # every rank has read iteration 1 (its RNG file too) before it goes
+    if dist.get_rank() == 0:
+        shutil.rmtree(Path(root) / "iter_0000001")
     dist.barrier()
     try:
         checkpointing.load_checkpoint(root, model, opt)
