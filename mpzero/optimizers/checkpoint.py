@@ -191,6 +191,15 @@ def _check_data(t: torch.Tensor, where: str) -> None:
         raise ValueError(f"load_state_dict: {where} has layout {t.layout}, not dense")
 
 
+def _trained(opt) -> list[int]:
+    """Indices of the parameters that have optimizer state. Before the layout is made
+    (which is a collective) they are the ones with ``requires_grad``: the layout takes
+    exactly those, so a state dict can be checked before anything communicates."""
+    if getattr(opt, "_built", False):
+        return list(opt._keys)
+    return [i for i, p in enumerate(opt._params) if p.requires_grad]
+
+
 def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
     """Validate ``sd`` completely and return ``(state, param_groups, group keys to apply)``
     with ``state[i]`` holding every key of :data:`STATE_KEYS`. Raises before any change."""
@@ -212,11 +221,12 @@ def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
     if "step" not in state:
         raise ValueError("load_state_dict: state has no 'step' (the step count)")
     _check_step(state["step"])
-    for i in opt._keys:
+    keys = _trained(opt)
+    for i in keys:
         if i in state and not isinstance(state[i], dict):
             raise ValueError(f"load_state_dict: state[{i}] is a {type(state[i]).__name__}, "
                              "not a dict")
-    for i in opt._keys:
+    for i in keys:
         if i not in state:
             raise ValueError(f"load_state_dict: no state for parameter {i} "
                              f"(shape {tuple(opt._params[i].shape)})")
@@ -225,7 +235,7 @@ def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
                 raise ValueError(f"load_state_dict: state[{i}] has no {k!r} "
                                  f"(keys: {sorted(map(str, state[i]))})")
             _check_tensor(opt, i, k, state[i][k])
-    extra = [i for i in state if i != "step" and i not in opt._keys]
+    extra = [i for i in state if i != "step" and i not in keys]
     if extra:
         raise ValueError(f"load_state_dict: state for parameters {extra[:8]} that this "
                          "optimizer does not train (no such index, or requires_grad=False)")
@@ -248,7 +258,8 @@ def _from_torch(opt, sd: dict) -> tuple[dict, list[dict], set]:
                 f"{decoupled}, this optimizer adam_w_mode={opt.adam_w_mode}")
     steps = set()
     state: dict = {}
-    for i in opt._keys:
+    keys = _trained(opt)
+    for i in keys:
         p = opt._params[i]
         saved = tstate.get(i)
         if saved is None:  # torch creates state lazily: a param never stepped
@@ -267,7 +278,7 @@ def _from_torch(opt, sd: dict) -> tuple[dict, list[dict], set]:
             state[i] = {k: saved[k] for k in ("exp_avg", "exp_avg_sq")}
             steps.add(_check_step(saved["step"], f"torch state[{i}]['step']"))
         state[i]["param"] = p.detach().float().cpu()
-    extra = [i for i in tstate if i not in opt._keys]
+    extra = [i for i in tstate if i not in keys]
     if extra:
         raise ValueError(f"load_state_dict: torch state for parameters {extra[:8]} that this "
                          "optimizer does not train")
