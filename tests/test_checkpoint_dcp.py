@@ -3,7 +3,9 @@ bit-exactly at dp 2, 1 and a 2x2 grid; TP model shards saved at tp 2 load at tp 
 and 4; consolidate() gives the full model and a format-2 optimizer state; a wrong
 model or a missing piece is refused before anything changes."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +190,133 @@ def test_tp_optimizer_states_are_kept_per_tp_rank(world, tmp_path):
     assert torch.equal(merged[0]["exp_avg"],  # up.weight: rows split over TP
                        torch.cat([saved[0]["state"][0]["exp_avg"],
                                   saved[1]["state"][0]["exp_avg"]], 0))
+
+
+# ------------------------------------------------------- TP resharding (model + optimizer)
+# Saved at one TP size, loaded at another: TPNet has rows split (up.weight, up.bias),
+# columns split (down.weight) and a replicated bias (down.bias); tiny buckets fragment
+# each parameter over the data-parallel ranks too.
+_X = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+
+
+def _tp_opt(model):
+    return DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1,
+                                bucket_cap_mb=TINY, **ps.get_optimizer_process_groups())
+
+
+def _tp_train_save(path, tp, legacy=False):
+    """Two steps at ``tp`` (same data on every rank: any grid computes the same), then
+    a save. ``legacy``: as saves before partition dims were recorded at TP 1."""
+    model = _tp_model(tp)
+    opt = _tp_opt(model)
+    for _ in range(2):
+        opt.zero_grad()
+        model(_X).square().sum().backward()
+        opt.step()
+    if legacy:
+        for p in model.parameters():
+            p.tensor_model_parallel = False
+    mdcp.save_sharded(path, model, opt, tp_group=ps.get_tensor_model_parallel_group())
+    if legacy and dist.get_rank() == 0:
+        meta = mdcp.read_meta(path)
+        del meta["optim"]["partition_dims"]
+        (Path(path) / mdcp.META).write_text(json.dumps(meta))
+    dist.barrier()
+    return opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _tp_load_save(path, tp, with_optim, out=None):
+    """Load at ``tp`` into a zeroed model (and fresh optimizer), save again to ``out``."""
+    model = _tp_model(tp)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = _tp_opt(model)
+    chunk, mdcp._RESHARD_CHUNK = mdcp._RESHARD_CHUNK, 7  # many pieces per parameter range
+    try:
+        mdcp.load_sharded(path, model, opt if with_optim else None,
+                          tp_group=ps.get_tensor_model_parallel_group())
+    finally:
+        mdcp._RESHARD_CHUNK = chunk
+    if out is not None:
+        mdcp.save_sharded(out, model, opt, tp_group=ps.get_tensor_model_parallel_group())
+    return opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_full(a, b, optimizer=True):
+    """Two checkpoints hold the same full model (and optimizer state), bit for bit."""
+    ca, cb = mdcp.consolidate(a), mdcp.consolidate(b)
+    for k, v in ca["model"].items():
+        assert torch.equal(v, cb["model"][k]), k
+    if optimizer:
+        sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+        assert sa["step"] == sb["step"] == 2
+        for i in range(4):
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+        assert ca["optimizer"]["param_groups"] == cb["optimizer"]["param_groups"]
+
+
+def _slice(full, name, tp, r):
+    dim = {"up.weight": 0, "up.bias": 0, "down.weight": 1}.get(name)
+    return full if dim is None else full.chunk(tp, dim)[r]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_tp1_checkpoint_loads_at_tp2_and_tp4(world, tmp_path, legacy):
+    """1 -> 2 and 1 -> 4 (a TP-1 save records how each tensor is split), with and
+    without the optimizer; ``legacy``: a TP-1 save that recorded no partition dims."""
+    a = str(tmp_path / "tp1")
+    ((_, ref),) = world(1, _tp_train_save, a, 1, legacy)
+    assert mdcp.read_meta(a)["model"]["up.weight"]["dim"] == (None if legacy else 0)
+    for tp in (2, 4):
+        out = str(tmp_path / f"again{tp}")
+        for r, (_, sd) in enumerate(world(tp, _tp_load_save, a, tp, True, out)):
+            for k, v in sd.items():
+                assert torch.equal(v, _slice(ref[k], k, tp, r)), (tp, r, k)
+        _assert_same_full(a, out)
+        for r, (_, sd) in enumerate(world(tp, _tp_load_save, a, tp, False)):  # model only
+            for k, v in sd.items():
+                assert torch.equal(v, _slice(ref[k], k, tp, r)), (tp, r, k)
+
+
+@pytest.mark.parametrize("with_optim", [True, False])
+def test_tp2_to_tp1_to_tp2_round_trip_is_bit_exact(world, tmp_path, with_optim):
+    """2 -> 1 -> 2 on 2 x 2 and 1 x 4 grids: the model (and the optimizer state) come
+    back bit for bit on every rank (data-parallel shards included)."""
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    saved = world(4, _tp_train_save, a, 2)  # tp 2 x dp 2
+    world(4, _tp_load_save, a, 1, with_optim, b)  # tp 1 x dp 4
+    _assert_same_full(a, b, with_optim)
+    back = world(4, _tp_load_save, b, 2, with_optim, c)  # tp 2 x dp 2 again
+    _assert_same_full(a, c, with_optim)
+    for (sd0, m0), (sd1, m1) in zip(saved, back):
+        for k, v in m0.items():
+            assert torch.equal(v, m1[k]), k
+        if not with_optim:
+            continue
+        assert sd0["state"]["step"] == sd1["state"]["step"] == 2
+        for i in range(4):
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(sd0["state"][i][k], sd1["state"][i][k]), (i, k)
+
+
+def _one_rank_wrong_model(path):
+    """Rank 1 loads into a model of another shape, rank 0 into the right one: both
+    refuse with the same error, and rank 0's model and optimizer are unchanged."""
+    model, opt = _opt("flat", TINY)
+    if dist.get_rank() == 1:
+        model.fc2 = torch.nn.Linear(13, 14)  # the saved fc2 is 13 x 13
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    with pytest.raises(ValueError) as info:
+        mdcp.load_sharded(path, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [g["lr"] for g in opt.param_groups] == lrs and opt.step_count() == 0
+    return str(info.value)
+
+
+def test_load_refused_on_one_rank_is_refused_on_all(world, saved):
+    msgs = world(2, _one_rank_wrong_model, saved[0])
+    assert msgs[0] == msgs[1] and "model key 'fc2.weight'" in msgs[0], msgs
+    assert "refused on rank 1" in msgs[0]

@@ -261,3 +261,154 @@ def _torch_round_trip(path):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_torch_adamw_state_round_trip(world, saved, world_size):
     assert all(world(world_size, _torch_round_trip, saved[0]))
+
+
+# ------------------------------------- all or nothing across the process group (gloo)
+# Each case corrupts what one rank (or every rank) loads. Every rank must raise the same
+# ValueError, and no rank may have changed its optimizer: state, step, param groups.
+def _trained(grid):
+    model, opt = _make(grid, TINY)
+    train_split_steps(model, opt, batches(SAVED_WORLD, STEPS, 1), range(STEPS), SAVED_WORLD)
+    return model, opt
+
+
+def _full_snapshot(opt):
+    import copy
+
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]
+    mirror = [float(opt.state[p]["step"]) for p in opt.parameters()]
+    return groups, mirror, opt.state_dict()
+
+
+def _assert_identical(opt, snap):
+    groups, mirror, sd = snap
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    assert [float(opt.state[p]["step"]) for p in opt.parameters()] == mirror
+    now = opt.state_dict()
+    assert now["state"]["step"] == sd["state"]["step"]
+    for i in range(8):
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(now["state"][i][k], sd["state"][i][k]), (i, k)
+
+
+def _corrupt_full(sd, case):
+    """A copy of the format-2 dict ``sd`` broken as ``case`` says."""
+    import copy
+
+    bad = copy.deepcopy(sd)
+    bad["param_groups"][1]["lr"] = 123.0  # would show if groups were applied
+    if case == "step-string":
+        bad["state"]["step"] = "three"
+    elif case == "step-negative":
+        bad["state"]["step"] = -1
+    elif case == "step-vector":
+        bad["state"]["step"] = torch.tensor([2, 2])
+    elif case == "meta-tensor":  # the last parameter: the copy would fail half-way
+        bad["state"][7]["exp_avg_sq"] = torch.empty(bad["state"][7]["exp_avg_sq"].shape,
+                                                    device="meta")
+    elif case == "transposed":
+        bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"].t().contiguous()
+    elif case == "bad-betas":
+        bad["param_groups"][0]["betas"] = (0.9, 1.5)
+    elif case == "bad-lr":
+        bad["param_groups"][0]["lr"] = "fast"
+    return bad
+
+
+FULL_CASES = ["step-string", "step-negative", "step-vector", "meta-tensor", "transposed",
+              "bad-betas", "bad-lr"]
+
+
+def _full_load_refused(grid, only_rank):
+    """Every case, broken on ``only_rank`` alone (None: on every rank)."""
+    model, opt = _trained(grid)
+    good = opt.state_dict()
+    snap = _full_snapshot(opt)
+    messages = []
+    for case in FULL_CASES:
+        sd = _corrupt_full(good, case) if only_rank in (None, dist.get_rank()) else good
+        with pytest.raises(ValueError) as info:
+            opt.load_state_dict(sd)
+        _assert_identical(opt, snap)
+        messages.append(str(info.value))
+    return messages
+
+
+@pytest.mark.parametrize("world_size,grid,only_rank", [
+    (2, "flat", None), (2, "flat", 1), (4, "2x2", 3)])
+def test_full_load_is_all_or_nothing_across_ranks(world, world_size, grid, only_rank):
+    results = world(world_size, _full_load_refused, grid, only_rank)
+    assert all(r == results[0] for r in results)  # the same message on every rank
+    expected = ["'step'", "'step'", "'step'", "meta tensor", r"state[0]['exp_avg'] has shape",
+                "betas", "lr="]
+    for msg, part in zip(results[0], expected):
+        assert part in msg, msg
+        if only_rank is not None:
+            assert f"refused on rank {only_rank}" in msg, msg
+
+
+def _sharded_pieces_refused(grid, only_rank, case):
+    """load_sharded_state_dict from every rank's sharded_state_dict, one piece broken: it
+    is used by ``only_rank`` alone (the same grid and buckets: each rank its own)."""
+    model, opt = _trained(grid)
+    mine = opt.sharded_state_dict()
+    if dist.get_rank() == only_rank:
+        param, start, end, tensors = mine["pieces"][-1]
+        tensors = dict(tensors)
+        if case == "short":
+            tensors["exp_avg"] = tensors["exp_avg"][:-1]
+        elif case == "meta":
+            tensors["exp_avg"] = torch.empty(tensors["exp_avg"].shape, device="meta")
+        else:  # missing key
+            del tensors["exp_avg_sq"]
+        mine["pieces"][-1] = (param, start, end, tensors)
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    snap = _full_snapshot(opt)
+    sds = [dict(p, param_groups=[dict(g, lr=99.0) for g in p["param_groups"]])
+           for p in pieces]
+    with pytest.raises(ValueError) as info:
+        opt.load_sharded_state_dict(sds)
+    _assert_identical(opt, snap)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", ["short", "meta", "missing"])
+def test_sharded_load_is_all_or_nothing_across_ranks(world, case):
+    results = world(2, _sharded_pieces_refused, "flat", 1, case)
+    assert results[0] == results[1] and "refused on rank 1" in results[0], results
+    assert "sharded checkpoint: parameter" in results[0]
+
+
+def _files_refused(d):
+    """load_sharded from files where only the shard file that rank 1 needs is broken."""
+    model, opt = _trained("flat")
+    snap = _full_snapshot(opt)
+    with pytest.raises(ValueError) as info:
+        ckpt.load_sharded(opt, d)
+    _assert_identical(opt, snap)
+    return str(info.value)
+
+
+def _save_sharded_trained(d):
+    model, opt = _trained("flat")
+    ckpt.save_sharded(opt, d)
+    return True
+
+
+def test_sharded_files_load_is_all_or_nothing_across_ranks(world, tmp_path):
+    import json
+
+    d = tmp_path / "sharded"
+    world(2, _save_sharded_trained, str(d))
+    name = "shard-00001-of-00002.pt"
+    sd = torch.load(d / name, weights_only=True)
+    param, start, end, tensors = sd["pieces"][-1]  # read by rank 1 only (same grid)
+    sd["pieces"][-1] = (param, start, end, dict(tensors, exp_avg=tensors["exp_avg"][:1]))
+    torch.save(sd, d / name)
+    index = json.loads((d / "index.json").read_text())
+    index["files"][name] = os.path.getsize(d / name)
+    (d / "index.json").write_text(json.dumps(index))
+    results = world(2, _files_refused, str(d))
+    assert results[0] == results[1] and "refused on rank 1" in results[0], results

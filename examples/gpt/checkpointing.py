@@ -11,17 +11,19 @@ Layout of ``--save DIR``::
         rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
         manifest.json                iteration, args, data position, grid, sha256 of each file
 
-The model shards are written by the first data-parallel rank of each TP rank
-(the data-parallel replicas hold the same shard). The optimizer state is
-DistributedFusedAdam's format-2 ``state_dict()``, which every rank of the
-data-parallel group computes together and which is the same on all of them: it
-is stored beside that TP rank's model shard, and loads at any
-distributed x redundant grid. Every file goes to a temporary name in the same
-directory, is fsynced and ``os.replace``d into place; ``manifest.json`` (with
-the checksums) comes after all files, ``latest`` after the manifest. A crash
-mid-save leaves ``latest`` on the previous checkpoint, and a corrupted file is
-refused on load (checksum mismatch). Resuming picks the newest checkpoint that
-verifies on every rank (:func:`find_loadable_checkpoint`); see docs/reliability.md.
+``torch_dist`` loads at any TP size and distributed x redundant grid (model and
+optimizer state, :mod:`mpzero.checkpoint.dcp`). In ``torch``, the model shards are
+written by the first data-parallel rank of each TP rank (the data-parallel replicas
+hold the same shard), beside DistributedFusedAdam's format-2 ``state_dict()`` (the
+same on every rank of the data-parallel group): it loads at any distributed x
+redundant grid, at the TP size of the save only. Every file goes to a temporary name
+in the same directory, is fsynced and ``os.replace``d into place; ``manifest.json``
+(with the checksums) comes after all files, ``latest`` after the manifest. A crash
+mid-save leaves ``latest`` on the previous checkpoint; a corrupted file, or one that
+would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused on
+load. Resuming picks the newest checkpoint that verifies on every rank
+(:func:`find_loadable_checkpoint`) and stops at one made for another run
+(:class:`CheckpointMismatch`); see docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from mpzero import parallel_state
 from mpzero import tensor_parallel as tp
 from mpzero.checkpoint import dcp as mdcp
+from mpzero.checkpoint import safe_load
 
 FORMAT = "mpzero-gpt-checkpoint-1"
 DCP_DIR = "dcp"
@@ -267,39 +270,78 @@ def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
     if actual != expected:
         raise CheckpointError(f"checksum mismatch for {path}: manifest says {expected[:12]}..., "
                               f"file has {actual[:12]}... (corrupted or partially written)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return safe_load.torch_load(path)
+    except safe_load.UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _verify_local(ckpt: Path, r: dict) -> str | None:
-    """Why this rank cannot load ``ckpt`` (None: it can). Checks the files this rank
-    reads (checksums); rank 0 also checks that every file of the manifest exists."""
+SKIP, REFUSE = 1, 2  # what a checkpoint that cannot be loaded makes the search do
+
+
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this run (another TP size in the torch
+    format, another model or optimizer): the run stops rather than resume from an older
+    checkpoint that happens to fit, which would silently lose the newer progress."""
+
+
+def _tp_mismatch(ckpt: Path, manifest: dict, r: dict) -> str | None:
+    saved = manifest.get("tensor_model_parallel_size")
+    if manifest.get("ckpt_format") == "torch_dist" or saved == r["tp_size"]:
+        return None
+    return (f"{ckpt} was saved with --ckpt-format torch at tensor_model_parallel_size="
+            f"{saved}, this run has {r['tp_size']}: torch-format checkpoints load only at "
+            f"the TP size they were saved with. Resume it at --tensor-model-parallel-size "
+            f"{saved} (with --ckpt-format torch_dist and --save to write it again in the "
+            "sharded format, which loads at any TP size)")
+
+
+def _verify_local(ckpt: Path, r: dict) -> tuple[int, str] | None:
+    """``(SKIP or REFUSE, why)`` when this rank cannot load ``ckpt``; None when it can.
+
+    Checks the files this rank reads: their checksums, and that each unpickles as plain
+    data (``torch.load(weights_only=True)``, tensors mapped, not read; DCP's metadata
+    through the restricted unpickler). Rank 0 also checks that every file of the
+    manifest exists. A damaged or refused file: SKIP (the search goes on to an older
+    checkpoint); a sound checkpoint saved for another TP size in the torch format:
+    REFUSE (the search stops)."""
     try:
         manifest = read_manifest(ckpt)
+        mismatch = _tp_mismatch(ckpt, manifest, r)
+        if mismatch:
+            return REFUSE, mismatch
         if manifest.get("ckpt_format") == "torch_dist":  # every rank reads any file:
             names = [n for k, n in enumerate(sorted(manifest["files"]))  # split the checks
                      if n.startswith(DCP_DIR + "/") and k % r["world"] == r["rank"]]
         else:
             names = [f"model_tp{r['tp_rank']:02d}.pt"]
         rng = f"rng_rank{r['rank']:05d}.pt"
-        if manifest.get("world_size") == r["world"] and rng in manifest["files"]:
+        if _restores_rng(manifest, r) and rng in manifest["files"]:
             names.append(rng)
         for name in names:
             path = ckpt / name
             expected = manifest["files"].get(name)
             if expected is None:
-                return f"{name} is not listed in {ckpt}/manifest.json (incomplete save)"
+                return SKIP, f"{name} is not listed in {ckpt}/manifest.json (incomplete save)"
             if not path.exists():
-                return f"{path} is missing"
+                return SKIP, f"{path} is missing"
             if sha256_file(path) != expected:
-                return f"checksum mismatch for {path} (truncated, corrupted or half-written)"
+                return SKIP, f"checksum mismatch for {path} (truncated, corrupted or half-written)"
+            if name.endswith(".pt"):
+                # The manifest is not signed: a replaced file comes with its checksum.
+                # Unpickling it with weights_only (tensors mapped, not read) tells a
+                # file that would run code from data before anything is loaded.
+                safe_load.torch_load(path, mmap=True)
+        if manifest.get("ckpt_format") == "torch_dist":  # DCP's metadata, read safely
+            safe_load.read_dcp_metadata(ckpt / DCP_DIR / ".metadata")
         if r["rank"] == 0:
             for name in manifest["files"]:
                 if not (ckpt / name).exists():
-                    return f"{ckpt / name} is missing (listed in the manifest)"
-    except CheckpointError as e:
-        return str(e)
-    except (OSError, KeyError, TypeError, AttributeError) as e:
-        return f"{ckpt}: unreadable ({e!r})"
+                    return SKIP, f"{ckpt / name} is missing (listed in the manifest)"
+    except (CheckpointError, safe_load.UnsafeCheckpointError) as e:
+        return SKIP, str(e)
+    except (OSError, RuntimeError, KeyError, TypeError, AttributeError) as e:
+        return SKIP, f"{ckpt}: unreadable ({e!r})"
     return None
 
 
@@ -311,11 +353,68 @@ def _collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _decide(ckpt: Path, r: dict) -> tuple[int, list[str]]:
+    """Collective: ``(0, [])`` when ``ckpt`` loads on every rank, else the worst verdict
+    of any rank (SKIP or REFUSE) and the ranks' reasons (each once, prefixed with the
+    ranks that gave it when there are several ranks). Each rank prints its own reason;
+    rank 0 prints all of them."""
+    mine = _verify_local(ckpt, r)
+    code = torch.tensor([mine[0] if mine else 0], device=_collective_device())
+    if _distributed():
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+    verdict = int(code.item())
+    if not verdict:
+        return 0, []
+    if _distributed():  # the ranks' reasons (strings from our own processes)
+        whys: list = [None] * dist.get_world_size()
+        dist.all_gather_object(whys, mine[1] if mine else None)
+    else:
+        whys = [mine[1] if mine else None]
+    by_reason: dict[str, list[int]] = {}
+    for k, w in enumerate(whys):
+        if w:
+            by_reason.setdefault(w, []).append(k)
+    reasons = [w if len(whys) == 1 else
+               f"rank{'s' if len(ks) > 1 else ''} {','.join(map(str, ks))}: {w}"
+               for w, ks in by_reason.items()]
+    if mine:
+        print(f"rank {r['rank']}: {'refusing' if mine[0] == REFUSE else 'skipping'} "
+              f"checkpoint {ckpt}: {mine[1]}", flush=True)
+    if r["rank"] == 0 and not mine:
+        print(f"skipping checkpoint {ckpt}: it does not verify on every rank: "
+              + "; ".join(reasons), flush=True)
+    elif r["rank"] == 0 and len(reasons) > 1:
+        print(f"  (checkpoint {ckpt}, all ranks: {'; '.join(reasons)})", flush=True)
+    return verdict, reasons
+
+
+def choose_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path | None:
+    """The checkpoint to resume from (collective: every rank gets the same answer).
+
+    Without ``iteration``: the newest ``iter_*`` directory that verifies on every rank
+    (:func:`find_loadable_checkpoint`). With it: that iteration, which must verify.
+    None when ``load_dir`` holds no checkpoint (or does not exist)."""
+    if iteration is None:
+        return find_loadable_checkpoint(load_dir)
+    ckpt = iteration_dir(load_dir, iteration)
+    verdict, reasons = _decide(ckpt, _ranks())
+    if verdict == REFUSE:
+        raise CheckpointMismatch("; ".join(reasons))
+    if verdict:
+        raise CheckpointError(f"--load-iteration {iteration}: {ckpt} cannot be loaded: "
+                              + "; ".join(reasons))
+    return ckpt
+
+
 def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
     """The newest checkpoint of ``load_dir`` that verifies on EVERY rank (collective:
-    every rank gets the same answer). Broken ones are reported with their path and
-    skipped. None when ``load_dir`` has no checkpoint at all; a :class:`CheckpointError`
-    on every rank when there are checkpoints but none verifies everywhere."""
+    every rank gets the same answer). Damaged ones are reported with their path and the
+    reason (rank 0 prints every rank's) and skipped. A sound one that does not fit this
+    run (the torch format at another TP size) stops the search: a
+    :class:`CheckpointMismatch` on every rank, rather than an older checkpoint that
+    happens to fit. None when ``load_dir`` has no checkpoint at all; a
+    :class:`CheckpointError` on every rank when there are checkpoints but none
+    verifies everywhere."""
     r = _ranks()
     candidates = list_checkpoints(load_dir)
     if _distributed():  # every rank walks the same list (rank 0's view of the directory)
@@ -324,62 +423,119 @@ def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
         candidates = [Path(c) for c in box[0]]
     reasons = []
     for ckpt in candidates:
-        why = _verify_local(ckpt, r)
-        ok = torch.tensor([0.0 if why else 1.0], device=_collective_device())
-        if _distributed():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if why:
-            print(f"rank {r['rank']}: skipping checkpoint {ckpt}: {why}", flush=True)
-        if ok.item() == 1.0:
+        verdict, why = _decide(ckpt, r)
+        if not verdict:
             return ckpt
-        reasons.append(f"{ckpt}: {why or 'fails on another rank'}")
-        if r["rank"] == 0 and not why:
-            print(f"skipping checkpoint {ckpt}: it does not verify on every rank", flush=True)
+        if verdict == REFUSE:
+            raise CheckpointMismatch("; ".join(why) + " (not reaching past it to an older "
+                                     "checkpoint)")
+        reasons.append(f"{ckpt}: {'; '.join(why)}")
     if candidates:
         raise CheckpointError(f"no checkpoint in {load_dir} verifies on every rank: "
                               + "; ".join(reasons))
     return None
 
 
+def _check_model_state(ckpt: Path, model: torch.nn.Module, saved: dict) -> None:
+    """Raise unless ``model.load_state_dict(saved)`` loads every tensor (torch's own
+    check copies the tensors that fit before it reports the others)."""
+    local = model.state_dict()
+    missing = [k for k in local if k not in saved]
+    extra = [k for k in saved if k not in local]
+    if missing or extra:
+        raise CheckpointMismatch(f"{ckpt} does not fit this model: missing keys "
+                                 f"{missing[:5]}, unexpected keys {extra[:5]}")
+    for k, v in local.items():
+        t = saved[k]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(v.shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CheckpointMismatch(f"{ckpt} does not fit this model: {k} has shape {got} "
+                                     f"in the checkpoint, {tuple(v.shape)} here")
+
+
+def _optimizer_kind(optimizer) -> str:
+    return "DistributedFusedAdam" if hasattr(optimizer, "sharded_state_dict") \
+        else type(optimizer).__name__
+
+
+def _check_optimizer_state(ckpt: Path, optimizer, sd) -> None:
+    """Raise unless ``optimizer.load_state_dict(sd)`` would load (checks only)."""
+    saved_dfa = isinstance(sd, dict) and "format" in sd
+    if saved_dfa and not hasattr(optimizer, "sharded_state_dict"):
+        raise CheckpointMismatch(f"{ckpt} holds a DistributedFusedAdam state (--optimizer "
+                                 f"dfa), this run's optimizer is a {_optimizer_kind(optimizer)}")
+    if hasattr(optimizer, "sharded_state_dict"):
+        from mpzero.optimizers import checkpoint as optim_ckpt
+
+        try:
+            optim_ckpt.check_state_dict(optimizer, sd)
+        except ValueError as e:
+            raise CheckpointMismatch(f"{ckpt}: the optimizer state does not fit: {e}") from e
+    elif not isinstance(sd, dict) or len(sd.get("param_groups", ())) != len(
+            optimizer.param_groups):
+        raise CheckpointMismatch(f"{ckpt}: the optimizer state has other param groups than "
+                                 "this run's optimizer")
+
+
+def _agree_or_raise(error: BaseException | None) -> None:
+    """Every rank raises the same :class:`CheckpointError` when any rank passes one
+    (collective over the world), before anything is loaded anywhere."""
+    from mpzero.optimizers import checkpoint as optim_ckpt
+
+    group = dist.group.WORLD if _distributed() else None
+    try:
+        optim_ckpt.agree(error, group, _collective_device())
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None,
-                    *, iteration: int | None = None, load_rng: bool = True) -> dict | None:
+                    *, iteration: int | None = None, load_rng: bool = True,
+                    ckpt: str | Path | None = None) -> dict | None:
     """Load model (this TP rank's shard), optimizer and RNG; returns the manifest.
 
-    Without ``iteration``, the newest checkpoint that verifies on every rank
-    (:func:`find_loadable_checkpoint`). Returns None when ``load_dir`` holds no
-    checkpoint. Every rank must call it (the choice and the optimizer load are
-    collective)."""
+    ``ckpt``: the checkpoint directory :func:`choose_checkpoint` returned (then
+    ``load_dir`` and ``iteration`` are not looked at); without it, that choice is made
+    here. Returns None when ``load_dir`` holds no checkpoint. Every rank must call it
+    (the choice and the load are collective).
+
+    All or nothing over the world: every rank reads and checks what it needs first, the
+    ranks agree, and only then is anything copied into the model or optimizer. A
+    checkpoint that does not fit (another model, optimizer or, in the torch format, TP
+    size) raises :class:`CheckpointMismatch` on every rank with nothing loaded.
+    ``torch_dist`` checkpoints load at any TP size and optimizer grid; the RNG states
+    are restored when the world and TP sizes are those of the save."""
     t0 = time.perf_counter()
-    if iteration is not None:
-        ckpt = iteration_dir(load_dir, iteration)
-    else:
-        ckpt = find_loadable_checkpoint(load_dir)
+    if ckpt is None:
+        ckpt = choose_checkpoint(load_dir, iteration)
     if ckpt is None:
         return None
+    ckpt = Path(ckpt)
     manifest = read_manifest(ckpt)
     r = _ranks()
     if manifest.get("ckpt_format") == "torch_dist":
         try:
             mdcp.load_sharded(ckpt / DCP_DIR, model, optimizer, tp_group=_tp_group())
-        except ValueError as e:  # wrong model or grid that cannot be resharded
+        except ValueError as e:  # wrong model or optimizer, or a file that cannot be read
             raise CheckpointError(f"{ckpt} does not fit this run: {e}") from e
-        _load_rng(ckpt, manifest, r, load_rng)
-        if r["rank"] == 0:
-            print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
-                  f"{time.perf_counter() - t0:.2f} s", flush=True)
-        return manifest
-    if manifest["tensor_model_parallel_size"] != r["tp_size"]:
-        raise CheckpointError(
-            f"{ckpt} was saved with tensor_model_parallel_size="
-            f"{manifest['tensor_model_parallel_size']}, this run has {r['tp_size']} (merge "
-            "the shards with merge_tensor_parallel_shards to change it)")
-    shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
-    try:
+    else:
+        shard, error = None, None
+        try:
+            mismatch = _tp_mismatch(ckpt, manifest, r)
+            if mismatch:
+                raise CheckpointMismatch(mismatch)
+            shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
+            if not isinstance(shard, dict) or "model" not in shard:
+                raise CheckpointError(f"{ckpt}: model_tp{r['tp_rank']:02d}.pt holds no model")
+            _check_model_state(ckpt, model, shard["model"])
+            if optimizer is not None:
+                _check_optimizer_state(ckpt, optimizer, shard.get("optimizer"))
+        except CheckpointError as e:
+            error = e
+        _agree_or_raise(error)
         model.load_state_dict(shard["model"])
-    except RuntimeError as e:  # wrong model: shapes or names differ
-        raise CheckpointError(f"{ckpt} does not fit this model: {e}") from e
-    if optimizer is not None:
-        optimizer.load_state_dict(shard["optimizer"])
+        if optimizer is not None:
+            optimizer.load_state_dict(shard["optimizer"])
     _load_rng(ckpt, manifest, r, load_rng)
     if r["rank"] == 0:
         print(f"loaded checkpoint iter {manifest['iteration']} from {ckpt} in "
@@ -387,9 +543,21 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
     return manifest
 
 
+def _restores_rng(manifest: dict, r: dict) -> bool:
+    """RNG states go back to the same rank only when the layout is the save's: the same
+    world size and TP size (else rank k's generator would be another rank's stream)."""
+    return (manifest.get("world_size") == r["world"]
+            and manifest.get("tensor_model_parallel_size", r["tp_size"]) == r["tp_size"])
+
+
+def restores_rng(manifest: dict) -> bool:
+    """Whether loading the checkpoint of ``manifest`` restores this rank's RNG states."""
+    return _restores_rng(manifest, _ranks())
+
+
 def _load_rng(ckpt: Path, manifest: dict, r: dict, load_rng: bool) -> None:
     rng_name = f"rng_rank{r['rank']:05d}.pt"
-    if load_rng and manifest["world_size"] == r["world"] and rng_name in manifest["files"]:
+    if load_rng and _restores_rng(manifest, r) and rng_name in manifest["files"]:
         set_rng_state(verified_load(ckpt, rng_name, manifest))
 
 

@@ -51,17 +51,13 @@ import data  # noqa: E402
 import logging_utils  # noqa: E402
 import optim  # noqa: E402
 import precision  # noqa: E402
+import resume  # noqa: E402
 from model import (  # noqa: E402
     ATTENTION_BACKENDS,
     GPT,
     flops_per_token,
     padded_vocab_size,
 )
-
-ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-             "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
-             "swiglu", "num_query_groups", "untie_embeddings_and_output_weights",
-             "disable_bias_linear", "openai_gelu")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -207,6 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="save and stop after this many minutes (decided by all ranks)")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
+    resume.add_arguments(g)
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=100, help="0 = only at the end")
@@ -220,6 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak TFLOP/s per device for MFU (None: known GPUs in bf16)")
     args = p.parse_args(argv)
     arg_checks.check_args(p, args)
+    resume.check_args(p, args)
     return args
 
 
@@ -306,25 +304,6 @@ def lr_at(iteration: int, args) -> float:
     span = max(1, decay_iters - args.lr_warmup_iters)
     progress = min(1.0, (iteration - args.lr_warmup_iters) / span)
     return args.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
-
-
-def check_architecture(args) -> None:
-    """The checkpoint to resume from has this run's model shape (else CheckpointError)."""
-    if args.load_iteration is not None:
-        ckpt = checkpointing.iteration_dir(args.load, args.load_iteration)
-    else:
-        ckpt = checkpointing.read_latest(args.load)
-    if ckpt is None:
-        return
-    try:
-        saved = checkpointing.read_manifest(ckpt).get("args") or {}
-    except checkpointing.CheckpointError:
-        return  # a broken checkpoint: loading skips it (or says why it cannot)
-    for key in ARCH_ARGS:
-        if key in saved and saved[key] != getattr(args, key):
-            raise checkpointing.CheckpointError(
-                f"{ckpt} has {key}={saved[key]}, this run has --{key.replace('_', '-')}="
-                f"{getattr(args, key)}")
 
 
 # ----------------------------------------------------------------------------- steps
@@ -446,22 +425,8 @@ def main(argv: list[str] | None = None) -> None:
                               max_skipped=args.max_consecutive_skipped_iters,
                               exit_duration_mins=args.exit_duration_in_mins, device=device)
     iteration = 0
-    if args.load:
-        check_architecture(args)  # before load_state_dict, which would fail less clearly
-        manifest = checkpointing.load_checkpoint(
-            args.load, model, None if args.no_load_optim else optimizer,
-            iteration=args.load_iteration, load_rng=not args.no_load_rng)
-        if manifest is None:
-            if rank == 0:
-                print(f"no checkpoint in {args.load}: starting from scratch")
-        else:
-            if args.no_load_optim and hasattr(optimizer, "reload_model_params"):
-                optimizer.reload_model_params()  # master weights from the loaded model
-            iteration = manifest["iteration"]
-            if manifest.get("data"):
-                sampler.load_state_dict(manifest["data"])
-            if rank == 0:
-                print(f"resumed from {args.load} at iteration {iteration}")
+    if args.load:  # checked against the run before anything is loaded (resume.py)
+        iteration = resume.resume(args, model, optimizer, sampler, rank)
 
     flops_tok = flops_per_token(cfg)
     peak = logging_utils.peak_tflops(args, device)

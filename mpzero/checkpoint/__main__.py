@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from mpzero.checkpoint import dcp as mdcp
+from mpzero.checkpoint import safe_load
 
 _ITER = re.compile(r"iter_\d{7,}")
 
@@ -149,8 +150,7 @@ def _load_verified(ckpt: Path) -> dict:
         return mdcp.consolidate(dcp_dir)
     manifest = _manifest(ckpt)
     tp = manifest["tensor_model_parallel_size"]
-    shards = [torch.load(ckpt / f"model_tp{t:02d}.pt", map_location="cpu", weights_only=True)
-              for t in range(tp)]
+    shards = [safe_load.torch_load(ckpt / f"model_tp{t:02d}.pt") for t in range(tp)]
     dims = shards[0]["partition_dims"]
     model = {k: v if dims.get(k) is None else torch.cat([s["model"][k] for s in shards],
                                                           dims[k])
@@ -164,9 +164,18 @@ def _load_verified(ckpt: Path) -> dict:
     return out
 
 
+def _load_or_exit(ckpt: Path) -> dict:
+    """:func:`_load_verified`, with a refused or unreadable checkpoint as a one-line exit
+    (status 1) that names the file, not a traceback."""
+    try:
+        return _load_verified(ckpt)
+    except (ValueError, OSError, RuntimeError, KeyError) as e:
+        raise SystemExit(f"error: cannot read checkpoint {ckpt}: {e}") from None
+
+
 def consolidate(path: str, out: str) -> int:
     ckpt = resolve(path)
-    full = _load_verified(ckpt)
+    full = _load_or_exit(ckpt)
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
     torch.save(full["model"], o / "model.pt")
@@ -181,7 +190,7 @@ def export(path: str, out: str, dtype: str) -> int:
     from safetensors.torch import save_file
 
     ckpt = resolve(path)
-    model = _load_verified(ckpt)["model"]
+    model = _load_or_exit(ckpt)["model"]
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     tensors = {k: v.to(dt).contiguous() for k, v in model.items() if v.is_floating_point()}
     save_file(tensors, out, metadata={"source": str(ckpt), "dtype": dtype})

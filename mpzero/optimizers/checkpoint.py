@@ -25,6 +25,7 @@ materializes the whole state.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 
@@ -104,9 +105,53 @@ def _check_groups(opt, groups) -> None:
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"load_state_dict: param group {gi} has {len(saved['params'])} "
                              f"params in the state, {len(group['params'])} here")
-        betas = saved.get("betas", group["betas"])
-        if len(tuple(betas)) != 2:
-            raise ValueError(f"load_state_dict: param group {gi} has betas {betas!r}")
+        _check_group_values(gi, saved)
+
+
+def _is_number(v) -> bool:
+    if isinstance(v, torch.Tensor):  # a capturable optimizer's lr may be a tensor
+        return (v.numel() == 1 and not v.is_meta and not v.dtype.is_complex
+                and v.dtype != torch.bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_group_values(gi: int, saved: dict) -> None:
+    """The hyperparameters the step reads are finite numbers of the right kind, so that
+    applying them cannot fail (or poison the next step) half-way through a load."""
+    for key in ("lr", "eps", "weight_decay"):
+        if key in saved:
+            v = saved[key]
+            if not _is_number(v) or not math.isfinite(float(v)) or float(v) < 0:
+                raise ValueError(f"load_state_dict: param group {gi} has {key}={v!r}; "
+                                 "expected a finite number >= 0")
+    if "betas" in saved:
+        betas = saved["betas"]
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(_is_number(b) and 0.0 <= float(b) < 1.0 for b in betas)):
+            raise ValueError(f"load_state_dict: param group {gi} has betas {betas!r}; "
+                             "expected two numbers in [0, 1)")
+    if "bias_correction" in saved and not isinstance(saved["bias_correction"], (bool, int)):
+        raise ValueError(f"load_state_dict: param group {gi} has bias_correction="
+                         f"{saved['bias_correction']!r}")
+
+
+def _check_step(step, where: str = "state['step']") -> int:
+    """The step count as an int, or ValueError: an int, an integral float, or a
+    one-element tensor holding one, >= 0 (bool is refused: it is no count)."""
+    value = step
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_meta or step.dtype.is_complex:
+            raise ValueError(f"load_state_dict: {where} is a tensor of shape "
+                             f"{tuple(step.shape)} ({step.dtype}, {step.device.type}); "
+                             "expected one number")
+        value = step.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"load_state_dict: {where} is {step!r}; expected the step count "
+                         "(an int)")
+    if not math.isfinite(value) or value != int(value) or value < 0:
+        raise ValueError(f"load_state_dict: {where} is {step!r}; expected a whole number "
+                         ">= 0")
+    return int(value)
 
 
 def _apply_groups(opt, groups, keys=None) -> None:
@@ -133,8 +178,26 @@ def _check_tensor(opt, i: int, key: str, t) -> None:
     if tuple(t.shape) != tuple(p.shape):
         raise ValueError(f"load_state_dict: state[{i}][{key!r}] has shape {tuple(t.shape)}, "
                          f"parameter {i} has shape {tuple(p.shape)}")
+    _check_data(t, f"state[{i}][{key!r}]")
+
+
+def _check_data(t: torch.Tensor, where: str) -> None:
+    """A tensor whose values can be copied: floating point, dense, with storage."""
     if not t.is_floating_point():
-        raise ValueError(f"load_state_dict: state[{i}][{key!r}] has dtype {t.dtype}")
+        raise ValueError(f"load_state_dict: {where} has dtype {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"load_state_dict: {where} is a meta tensor (shape only, no values)")
+    if t.layout != torch.strided:
+        raise ValueError(f"load_state_dict: {where} has layout {t.layout}, not dense")
+
+
+def _trained(opt) -> list[int]:
+    """Indices of the parameters that have optimizer state. Before the layout is made
+    (which is a collective) they are the ones with ``requires_grad``: the layout takes
+    exactly those, so a state dict can be checked before anything communicates."""
+    if getattr(opt, "_built", False):
+        return list(opt._keys)
+    return [i for i, p in enumerate(opt._params) if p.requires_grad]
 
 
 def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
@@ -157,7 +220,13 @@ def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
         raise ValueError("load_state_dict: 'state' must be a dict")
     if "step" not in state:
         raise ValueError("load_state_dict: state has no 'step' (the step count)")
-    for i in opt._keys:
+    _check_step(state["step"])
+    keys = _trained(opt)
+    for i in keys:
+        if i in state and not isinstance(state[i], dict):
+            raise ValueError(f"load_state_dict: state[{i}] is a {type(state[i]).__name__}, "
+                             "not a dict")
+    for i in keys:
         if i not in state:
             raise ValueError(f"load_state_dict: no state for parameter {i} "
                              f"(shape {tuple(opt._params[i].shape)})")
@@ -166,7 +235,7 @@ def _normalized_state(opt, sd: dict) -> tuple[dict, list[dict], set | None]:
                 raise ValueError(f"load_state_dict: state[{i}] has no {k!r} "
                                  f"(keys: {sorted(map(str, state[i]))})")
             _check_tensor(opt, i, k, state[i][k])
-    extra = [i for i in state if i != "step" and i not in opt._keys]
+    extra = [i for i in state if i != "step" and i not in keys]
     if extra:
         raise ValueError(f"load_state_dict: state for parameters {extra[:8]} that this "
                          "optimizer does not train (no such index, or requires_grad=False)")
@@ -189,20 +258,27 @@ def _from_torch(opt, sd: dict) -> tuple[dict, list[dict], set]:
                 f"{decoupled}, this optimizer adam_w_mode={opt.adam_w_mode}")
     steps = set()
     state: dict = {}
-    for i in opt._keys:
+    keys = _trained(opt)
+    for i in keys:
         p = opt._params[i]
         saved = tstate.get(i)
         if saved is None:  # torch creates state lazily: a param never stepped
             zeros = torch.zeros(p.shape, dtype=torch.float32)
             state[i] = {"exp_avg": zeros, "exp_avg_sq": zeros.clone()}
         else:
+            if not isinstance(saved, dict):
+                raise ValueError(f"load_state_dict: torch state[{i}] is a "
+                                 f"{type(saved).__name__}, not a dict")
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                if k not in saved:
+                    raise ValueError(f"load_state_dict: torch state[{i}] has no {k!r} "
+                                     f"(keys: {sorted(map(str, saved))})")
             for k in ("exp_avg", "exp_avg_sq"):
                 _check_tensor(opt, i, k, saved[k])
             state[i] = {k: saved[k] for k in ("exp_avg", "exp_avg_sq")}
-            step = saved["step"]
-            steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+            steps.add(_check_step(saved["step"], f"torch state[{i}]['step']"))
         state[i]["param"] = p.detach().float().cpu()
-    extra = [i for i in tstate if i not in opt._keys]
+    extra = [i for i in tstate if i not in keys]
     if extra:
         raise ValueError(f"load_state_dict: torch state for parameters {extra[:8]} that this "
                          "optimizer does not train")
@@ -213,10 +289,26 @@ def _from_torch(opt, sd: dict) -> tuple[dict, list[dict], set]:
     return state, groups, {"lr", "betas", "eps", "weight_decay"}
 
 
+def check_state_dict(opt, sd: dict) -> None:
+    """Raise ``ValueError`` (naming the key) unless :func:`load_state_dict` would load
+    ``sd`` into ``opt``; changes nothing and communicates nothing, so a caller can check
+    before it loads anything else (e.g. the model) and agree on the verdict itself."""
+    _normalized_state(opt, sd)
+
+
 def load_state_dict(opt, sd: dict) -> None:
-    """Load a format-2 (or torch Adam/AdamW) state dict, all or nothing: the whole dict is
-    validated (every parameter, key and full shape) before anything is changed."""
-    state, groups, group_keys = _normalized_state(opt, sd)
+    """Load a format-2 (or torch Adam/AdamW) state dict, all or nothing across the process
+    group: every rank validates the whole dict (every parameter, key, full shape, the step
+    and the param groups' values), the ranks agree on the verdict (:func:`agree`), and
+    only then is anything changed. When any rank refuses, every rank raises the same
+    ``ValueError`` and no rank has changed its state. Collective over
+    ``opt.process_group``."""
+    try:
+        state, groups, group_keys = _normalized_state(opt, sd)
+    except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
+        agree(e, opt.process_group, opt.device)
+        raise  # unreachable: agree raised
+    agree(None, opt.process_group, opt.device)
     _apply_groups(opt, groups, group_keys)
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
@@ -227,7 +319,7 @@ def load_state_dict(opt, sd: dict) -> None:
                         piece.param_start:piece.param_end]
                     dst[piece.shard_start:piece.shard_end].copy_(src)
             _commit_targets(opt, b, targets)
-    opt.set_step_count(state["step"])
+    opt.set_step_count(_check_step(state["step"]))
 
 
 _TORCH_GROUP_DEFAULTS = {"amsgrad": False, "foreach": None, "maximize": False,
@@ -278,19 +370,110 @@ def sharded_state_dict(opt) -> dict:
             "shapes": {i: tuple(opt._params[i].shape) for i in opt._keys}, "pieces": pieces}
 
 
-def load_sharded_state_dict(opt, sds: list[dict]) -> None:
-    """Load from the sharded state dicts of every rank that wrote one (any grid)."""
-    if not sds:
-        raise ValueError("load_sharded_state_dict: no shards given")
-    _check_groups(opt, sds[0]["param_groups"])
-    by_param: dict[int, list] = {}
-    for sd in sds:
-        for param, start, end, tensors in sd["pieces"]:
+def _check_sharded_meta(sd, where: str) -> None:
+    if not isinstance(sd, dict):
+        raise ValueError(f"{where}: expected a sharded state dict, got {type(sd).__name__}")
+    if sd.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"{where}: expected format {FORMAT}, got {sd.get('format')!r}")
+    for key in ("param_groups", "step", "pieces"):
+        if key not in sd:
+            raise ValueError(f"{where}: no {key!r}")
+    if not isinstance(sd["pieces"], (list, tuple)):
+        raise ValueError(f"{where}: 'pieces' must be a list")
+
+
+def _index_pieces(opt, pieces, by_param: dict, where: str, keep=None) -> None:
+    """Sort well-formed ``(param, start, end, tensors)`` pieces into ``by_param`` (only
+    those ``keep(param, start, end)`` accepts); raise on a malformed one."""
+    for n, piece in enumerate(pieces):
+        if not isinstance(piece, (list, tuple)) or len(piece) != 4:
+            raise ValueError(f"{where}: piece {n} is not (param, start, end, tensors)")
+        param, start, end, tensors = piece
+        if not all(isinstance(x, int) and not isinstance(x, bool)
+                   for x in (param, start, end)):
+            raise ValueError(f"{where}: piece {n} has non-integer param/start/end "
+                             f"{param!r}, {start!r}, {end!r}")
+        if param not in opt._keys:
+            raise ValueError(f"{where}: piece {n} is for parameter {param}, which this "
+                             "optimizer does not train")
+        if not 0 <= start < end <= opt._params[param].numel():
+            raise ValueError(f"{where}: piece {n} covers [{start}, {end}) of parameter "
+                             f"{param}, which has {opt._params[param].numel()} elements")
+        if not isinstance(tensors, dict):
+            raise ValueError(f"{where}: piece {n} holds a {type(tensors).__name__}, not a "
+                             "dict of tensors")
+        if keep is None or keep(param, start, end):
             by_param.setdefault(param, []).append((start, end, tensors))
-    _check_pieces(opt, lambda i: by_param.get(i, []), sds[0].get("shapes"))
+
+
+def load_sharded_state_dict(opt, sds: list[dict]) -> None:
+    """Load from the sharded state dicts of every rank that wrote one (any grid). All or
+    nothing across the process group, as :func:`load_state_dict`. Collective."""
+    try:
+        if not sds:
+            raise ValueError("load_sharded_state_dict: no shards given")
+        by_param: dict[int, list] = {}
+        for n, sd in enumerate(sds):
+            _check_sharded_meta(sd, f"load_sharded_state_dict: shard {n}")
+            _index_pieces(opt, sd["pieces"], by_param, f"load_sharded_state_dict: shard {n}")
+        _check_groups(opt, sds[0]["param_groups"])
+        step = _check_step(sds[0]["step"], "the sharded state's 'step'")
+        _check_pieces(opt, lambda i: by_param.get(i, []), sds[0].get("shapes"))
+    except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
+        agree(e, opt.process_group, opt.device)
+        raise
+    agree(None, opt.process_group, opt.device)
     _apply_groups(opt, sds[0]["param_groups"])
     _fill_from_pieces(opt, lambda i: by_param.get(i, []))
-    opt.set_step_count(sds[0]["step"])
+    opt.set_step_count(step)
+
+
+def agree(error: BaseException | None, group, device) -> None:
+    """Agree on a verdict across ``group`` (collective): return when no rank passes an
+    error; otherwise raise the same ``ValueError`` on every rank, with the message of the
+    lowest rank that failed. So a load refused by one rank is refused by all, before any
+    of them changes state (each calls this between checking and applying).
+
+    The message travels as UTF-8 bytes in tensors (one MIN all-reduce when all is well;
+    two broadcasts more when not): nothing is pickled. An error that was an
+    :class:`~mpzero.checkpoint.safe_load.UnsafeCheckpointError` is raised as one on
+    every rank."""
+    n = comm.group_size(group)
+    if n == 1:
+        if isinstance(error, ValueError):
+            raise error
+        if error is not None:
+            raise ValueError(_text(error)) from error
+        return
+    import torch.distributed as dist
+
+    me = comm.group_rank(group)
+    flag = torch.tensor([me if error is not None else n], dtype=torch.int64, device=device)
+    comm.all_reduce(flag, group, dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == n:
+        return
+    src = dist.get_global_rank(group, first) if group not in (None, dist.group.WORLD) \
+        else first
+    data = _text(error).encode() if me == first else b""
+    unsafe = me == first and type(error).__name__ == "UnsafeCheckpointError"
+    head = torch.tensor([len(data), int(unsafe)], dtype=torch.int64, device=device)
+    dist.broadcast(head, src, group=group)
+    buf = torch.zeros(int(head[0]), dtype=torch.uint8, device=device)
+    if me == first and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src, group=group)
+    msg = bytes(buf.cpu().tolist()).decode(errors="replace")
+    msg = f"{msg} [refused on rank {src}; nothing was loaded on any rank]"
+    if int(head[1]):
+        from mpzero.checkpoint.safe_load import UnsafeCheckpointError
+
+        raise UnsafeCheckpointError(msg) from error  # the refusing rank keeps its cause
+    raise ValueError(msg) from error
+
+
+def _text(error: BaseException) -> str:
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 def _check_pieces(opt, pieces_of, shapes: dict | None) -> None:
@@ -310,9 +493,12 @@ def _check_pieces(opt, pieces_of, shapes: dict | None) -> None:
                     continue
                 for k in STATE_KEYS:
                     t = tensors.get(k)
-                    if t is None or t.numel() != end - start:
+                    if not isinstance(t, torch.Tensor) or t.numel() != end - start \
+                            or t.dim() != 1:
                         raise ValueError(f"sharded checkpoint: parameter {pc.param} piece "
                                          f"[{start}, {end}) has a bad or missing {k!r}")
+                    _check_data(t, f"sharded checkpoint: parameter {pc.param} piece "
+                                   f"[{start}, {end}) {k!r}")
                 covered += hi - lo
             if covered < pc.numel:
                 raise ValueError(f"sharded checkpoint does not cover parameter {pc.param} "
@@ -380,32 +566,45 @@ def save_sharded(opt, directory: str) -> None:
 
 def load_sharded(opt, directory: str) -> None:
     """Load a :func:`save_sharded` checkpoint written on any grid. Each rank reads the shard
-    files one at a time and keeps only the ranges overlapping its own shards."""
-    with open(os.path.join(directory, "index.json")) as f:
-        index = json.load(f)
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{directory}: not a format-{FORMAT} sharded checkpoint")
+    files one at a time and keeps only the ranges overlapping its own shards. All or
+    nothing across the process group: a missing, truncated or malformed file on any rank
+    makes every rank raise the same ``ValueError`` before any state changes. Collective."""
+    from mpzero.checkpoint import safe_load  # (mpzero.checkpoint imports this module)
+
     opt._ensure_layout()
     opt.param_sync()
-    mine: dict[int, list[tuple[int, int]]] = {}
-    for lay in opt._layouts:
-        for pc in lay.shard_pieces(opt.distributed_rank):
-            mine.setdefault(pc.param, []).append((pc.param_start, pc.param_end))
-    kept: dict[int, list] = {}
-    meta = None
-    for fname, size in index["files"].items():
-        path = os.path.join(directory, fname)
-        if size is not None and os.path.getsize(path) != size:
-            raise ValueError(f"{path}: size {os.path.getsize(path)} != {size} in index.json "
-                             "(truncated or replaced file)")
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        meta = meta or sd
-        for param, start, end, tensors in sd["pieces"]:
-            if any(start < hi and end > lo for lo, hi in mine.get(param, ())):
-                kept.setdefault(param, []).append((start, end, tensors))
-        del sd
-    _check_groups(opt, meta["param_groups"])
-    _check_pieces(opt, lambda i: kept.get(i, []), meta.get("shapes"))
+    try:
+        with open(os.path.join(directory, "index.json")) as f:
+            index = json.load(f)
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise ValueError(f"{directory}: not a format-{FORMAT} sharded checkpoint")
+        mine: dict[int, list[tuple[int, int]]] = {}
+        for lay in opt._layouts:
+            for pc in lay.shard_pieces(opt.distributed_rank):
+                mine.setdefault(pc.param, []).append((pc.param_start, pc.param_end))
+        kept: dict[int, list] = {}
+        meta = None
+        for fname, size in index["files"].items():
+            path = os.path.join(directory, os.path.basename(fname))
+            if size is not None and os.path.getsize(path) != size:
+                raise ValueError(f"{path}: size {os.path.getsize(path)} != {size} in "
+                                 "index.json (truncated or replaced file)")
+            sd = safe_load.torch_load(path)
+            _check_sharded_meta(sd, path)
+            meta = meta or sd
+            _index_pieces(opt, sd["pieces"], kept, path,
+                          keep=lambda p, s, e: any(s < hi and e > lo
+                                                   for lo, hi in mine.get(p, ())))
+            del sd
+        if meta is None:
+            raise ValueError(f"{directory}/index.json lists no shard files")
+        _check_groups(opt, meta["param_groups"])
+        step = _check_step(meta["step"], f"{directory}: 'step'")
+        _check_pieces(opt, lambda i: kept.get(i, []), meta.get("shapes"))
+    except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
+        agree(e, opt.process_group, opt.device)
+        raise
+    agree(None, opt.process_group, opt.device)
     _apply_groups(opt, meta["param_groups"])
     _fill_from_pieces(opt, lambda i: kept.get(i, []))
-    opt.set_step_count(meta["step"])
+    opt.set_step_count(step)

@@ -163,7 +163,8 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(saved, data_dir, 
     out = tmp_path / "full"
     out.mkdir()
     procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "6", "--save-interval",
-                       "2", "--save", str(ckpt), "--load", str(ckpt), "--dist-timeout", "30"],
+                       "2", "--save", str(ckpt), "--load", str(ckpt), "--dist-timeout", "30",
+                       "--use-checkpoint-opt-param-scheduler"],  # the lr decays over 4
                    out, preexec={1: _file_size_limit(64 << 10)})
     codes = wait_all(procs, 150)
     text = logs(out, 2)
@@ -225,7 +226,9 @@ def test_kill_9_of_one_rank_stops_all_within_60s(data_dir, tmp_path):
     relaunch = tmp_path / "relaunch"
     relaunch.mkdir()
     procs = launch(4, ["--data-dir", str(data_dir), "--train-iters", str(last + 1),
-                       "--load", ckpt, "--save", ckpt], relaunch)
+                       "--load", ckpt, "--save", ckpt,
+                       "--use-checkpoint-opt-param-scheduler"],  # decay over 100000 still
+                   relaunch)
     assert wait_all(procs, 120) == [0, 0, 0, 0], logs(relaunch, 4)
     assert f"loaded checkpoint iter {last} from" in logs(relaunch, 4)[0]
 

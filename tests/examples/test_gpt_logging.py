@@ -91,16 +91,16 @@ def test_architecture_checked_before_anything_is_loaded(tmp_path):
     import argparse
 
     import checkpointing
+    import resume
 
     ckpt = checkpointing.iteration_dir(tmp_path, 10)
     ckpt.mkdir(parents=True)
-    (tmp_path / "latest").write_text(ckpt.name)
     saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "ffn_hidden_size": 256, "seq_length": 32, "padded_vocab_size": 512}
-    (ckpt / "manifest.json").write_text(json.dumps(
-        {"format": checkpointing.FORMAT, "args": saved, "files": {}}))
+    manifest = {"format": checkpointing.FORMAT, "args": saved, "files": {}}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     args = argparse.Namespace(load=str(tmp_path), load_iteration=None, **saved)
-    pretrain_gpt.check_architecture(args)  # same shape: fine (no model file is needed)
+    resume.check_architecture(args, ckpt, manifest)  # same shape: fine (no model file)
     args.hidden_size = 128
     with pytest.raises(checkpointing.CheckpointError, match="--hidden-size=128"):
-        pretrain_gpt.check_architecture(args)
+        resume.check_architecture(args, ckpt, manifest)
