@@ -188,7 +188,8 @@ _DISK_ERRORS = {
 def _exception_graph(exc: BaseException):
     """``exc`` and every exception it leads to: causes, contexts, and the per-rank
     failures a ``torch.distributed.checkpoint`` CheckpointException carries
-    (``failures``: rank -> (exception, traceback)), with the rank they came from."""
+    (``failures``: rank -> (exception, traceback)), with the rank they came from (also
+    an int ``rank`` attribute, as checkpointing's save errors carry)."""
     seen, todo = set(), [(exc, None)]
     while todo:
         e, rank = todo.pop(0)
@@ -196,6 +197,8 @@ def _exception_graph(exc: BaseException):
             continue
         seen.add(id(e))
         yield e, rank
+        if isinstance(getattr(e, "rank", None), int):
+            rank = e.rank
         todo += [(e.__cause__, rank), (e.__context__, rank)]
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):

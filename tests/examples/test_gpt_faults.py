@@ -26,6 +26,7 @@ GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
 import checkpointing  # noqa: E402
+import gpt_jobs  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -42,8 +43,9 @@ def _port() -> int:
 
 def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
            preexec: dict | None = None) -> list:
-    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun);
-    ``preexec``: rank -> function run in that rank's process before it starts."""
+    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun),
+    tied to this test runner (gpt_jobs); ``preexec``: rank -> function run in that rank's
+    process before it starts."""
     port = str(_port())
     procs = []
     for r in range(n):
@@ -51,9 +53,9 @@ def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}))
         log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed by the caller's wait
-        procs.append((subprocess.Popen([sys.executable, str(GPT), *TINY, *args], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                       preexec_fn=(preexec or {}).get(r)), log))
+        procs.append((gpt_jobs.popen([sys.executable, str(GPT), *TINY, *args], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     preexec=(preexec or {}).get(r)), log))
     return procs
 
 
