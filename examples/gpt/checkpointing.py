@@ -209,8 +209,7 @@ def check_finite(model: torch.nn.Module, iteration: int | None = None) -> None:
         at = f"at iteration {iteration} " if iteration is not None else ""
         raise NonFiniteWeights(
             f"the model's weights {at}hold NaN or Inf ({where}); refusing to save them, "
-            "so the newest checkpoint stays a usable one (the step that made them was "
-            "applied: --check-for-nan-in-loss-and-grad skips such steps)")
+            "so that the newest checkpoint stays a usable one")
 
 
 def _save_dcp(out: Path, model, optimizer, r: dict) -> dict[str, str]:

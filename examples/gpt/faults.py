@@ -226,21 +226,61 @@ def describe_disk_error(e: OSError, fallback_dir: str | Path | None = None) -> s
             + (f" in {where}" if where is not None else "") + f" ({e})")
 
 
+def probe_write(directory: str | Path, nbytes: int) -> None:
+    """Create ``directory`` if needed, write ``nbytes`` to a file there, fsync, remove it.
+    Raises the OSError the file system gives (ENOSPC, EFBIG, EROFS, ...)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-test-rank{_rank()}-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        try:
+            probe.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# After a failed save with no errno in its exception: how much a test write tries, to ask
+# the file system what is wrong. (torch.save turns a failed write into "RuntimeError:
+# unexpected pos", and DCP passes exceptions between ranks pickled, without their
+# causes, so the OSError behind a failed checkpoint write is often gone.)
+_DIAGNOSTIC_WRITE = 1 << 20
+
+
 def save_failed(save_dir: str, iteration: int, exc: BaseException,
                 kept: Path | None) -> SaveFailed:
     """The :class:`SaveFailed` to raise when saving ``iteration`` to ``save_dir`` raised
     ``exc``: the cause in words, what stays safe (``kept``: the last complete checkpoint)
-    and what to do."""
+    and what to do. Local (no collective): it may run on some ranks only. Where ``exc``
+    holds no file-system error, a 1 MiB test write in ``save_dir`` tells whether the file
+    system is full (or read-only, or over a size limit) on this rank."""
+    last = (str(exc).strip().splitlines() or [repr(exc)])[-1]
     found = disk_error(exc)
+    cause = None
     if found is not None:
         err, rank = found
         cause = describe_disk_error(err, save_dir) + (f" on rank {rank}" if rank is not None
                                                      else "")
+    elif type(exc).__name__ != "NonFiniteWeights":
+        try:
+            probe_write(save_dir, _DIAGNOSTIC_WRITE)
+        except OSError as e:
+            if e.errno in _DISK_ERRORS:
+                cause = (f"{_DISK_ERRORS[e.errno]} in {save_dir} (rank {_rank()}: a test "
+                         f"write there after the failure got [Errno {e.errno}] {e.strerror};"
+                         f" the save's own error: {last})")
+    if cause is not None:
         todo = ("free space on that file system (or fix its permissions or limits) and "
                 "relaunch with --load")
     else:
-        cause = (str(exc).strip().splitlines() or [repr(exc)])[-1]
-        todo = ("relaunch with --load" if type(exc).__name__ == "NonFiniteWeights"
+        cause = last
+        todo = ("relaunch with --load, with --check-for-nan-in-loss-and-grad on (it skips "
+                "the steps that would make the weights non-finite) or a lower --lr"
+                if type(exc).__name__ == "NonFiniteWeights"
                 else "fix the error and relaunch with --load")
     safe = (f"the last complete checkpoint, {kept.name}, is unchanged and stays the resume "
             "point" if kept is not None else "no earlier checkpoint exists")
@@ -256,16 +296,7 @@ def check_save_dir(path: str | Path, option: str = "--save") -> None:
     problem = None
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-rank{_rank()}-{os.getpid()}"
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"mpzero\n")
-                f.flush()
-                os.fsync(f.fileno())
-        finally:
-            if probe.exists():
-                probe.unlink()
+        probe_write(path, 4096)
     except OSError as e:
         problem = describe_disk_error(e) if e.errno in _DISK_ERRORS else repr(e)
     problems = [problem]
