@@ -71,10 +71,10 @@ def _job_env(**extra) -> dict[str, str]:
 def start_sbatch_torchrun(args: list[str], log: Path) -> subprocess.Popen:
     """torchrun as the SLURM step runs it: ``bash -c <the command>`` (which ``exec``s, so
     the returned process *is* torchrun), tied to this test runner."""
-    out = open(log, "w")  # noqa: SIM115 - the child holds it; closed when the test ends
-    return gpt_jobs.popen(["bash", "-c", sbatch_torchrun_command(), "bash", *TINY, *args],
-                          death_signal=gpt_jobs.TORCHRUN_DEATH_SIGNAL, env=_job_env(),
-                          stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    with open(log, "w") as out:  # the child writes to its own copy of the descriptor
+        return gpt_jobs.popen(["bash", "-c", sbatch_torchrun_command(), "bash", *TINY, *args],
+                              death_signal=gpt_jobs.TORCHRUN_DEATH_SIGNAL, env=_job_env(),
+                              stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> None:

@@ -432,8 +432,10 @@ def test_sbatch_preemption_saves_and_resumes(cluster):
     cluster.ctl(["scancel", "--batch", "--signal=USR1", job_id])
     info = cluster.wait_job(job_id, timeout=300)
     output = _job_output(work, job_id)
-    # torchrun exits 1 after forwarding a signal; the batch script passes srun's status on.
-    assert info.get("JobState") == "FAILED" and info.get("ExitCode") == "1:0", (
+    # torchrun exits 1 after forwarding a signal, and the batch script passes srun's status
+    # on: 1, or 143 when srun (--kill-on-bad-exit) terminates the other node's torchrun as
+    # the first one exits 1. The ranks leave the save together, so it is complete by then.
+    assert info.get("JobState") == "FAILED" and info.get("ExitCode") in ("1:0", "143:0"), (
         f"{info}\n{output[-6000:]}")
     assert "SIGUSR1: asking every rank to save and exit" in output, output[-6000:]
     it = int(re.search(r"saved checkpoint iter (\d+) ", output).group(1))
