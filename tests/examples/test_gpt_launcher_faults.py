@@ -107,6 +107,7 @@ def data_dir(tmp_path_factory):
     return prepared_corpus(tmp_path_factory, "gpt-faults-data", 0.5, 512)
 
 
+@pytest.mark.timeout(30)
 def test_sbatch_torchrun_command_forwards_sigusr1_and_waits_for_a_save():
     """The command names what torchrun 2.13 reads (the flag, not the environment), and
     gives the save its own grace (torchrun's default is 30 s)."""

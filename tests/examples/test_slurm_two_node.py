@@ -409,6 +409,7 @@ def _submit(cluster, work: Path, args: list[str], port: str) -> str:
     return sub.stdout.strip().split(";")[0]
 
 
+@pytest.mark.timeout(900)
 def test_sbatch_preemption_saves_and_resumes(cluster):
     """SIGUSR1 to the batch shell (what ``#SBATCH --signal=B:USR1@180`` sends before the
     time limit; here ``scancel --batch --signal=USR1``): the script's trap passes it to
