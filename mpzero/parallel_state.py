@@ -24,6 +24,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 AXES = ("tp", "cp", "dp", "pp")
@@ -244,11 +245,35 @@ def model_parallel_is_initialized() -> bool:
 
 
 def _as_timedelta(timeout) -> datetime.timedelta | None:
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and timeout > 0:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        if timeout.total_seconds() > 0:
+            return timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=timeout)
     raise ValueError(f"timeout must be a datetime.timedelta or positive seconds, got {timeout!r}")
+
+
+def get_process_group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta | None:
+    """The timeout of ``group``'s collectives (default: the default/world group), or None
+    when the backend does not expose it.
+
+    torch keeps the timeout in each backend's options (``ProcessGroupGloo`` and
+    ``ProcessGroupNCCL`` alike); a group made by ``new_group`` without ``timeout=`` gets
+    torch's default (30 min on gloo, 10 min on NCCL), not the world group's.
+    """
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    for device_type in ("cuda", "cpu"):
+        try:
+            backend = group._get_backend(torch.device(device_type))
+            timeout = backend.options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue  # no backend for this device type, or one without options
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 def initialize_model_parallel(
@@ -267,7 +292,10 @@ def initialize_model_parallel(
     ``distributed_optimizer_size`` is the size of each optimizer shard group (``None``:
     the whole data-parallel group, i.e. no redundancy). ``distribute_within_nodes``
     makes each shard group the data-parallel ranks of one node (``LOCAL_WORLD_SIZE``).
-    ``backend`` defaults to the default group's; ``timeout`` is a timedelta or seconds.
+    ``backend`` defaults to the default group's. ``timeout`` (a timedelta or seconds) is
+    how long a collective on any of these groups may wait for the other ranks before it
+    fails; ``None``: the default group's timeout (``init_process_group(timeout=...)``), so
+    a rank that stops answering makes the others fail after that time in every group.
     """
     global _STATE
     if not dist.is_initialized():
@@ -314,7 +342,13 @@ def initialize_model_parallel(
         kinds["dp-cp"], distributed_optimizer_size, local_world_size=local_ws
     )
     pg_kwargs = {"backend": backend}
+    # Every group carries a timeout: the one given, else the default group's. Without it
+    # torch would give each new group its own default (30 min on gloo, 10 on NCCL), and a
+    # rank that hangs would stall the others' gradient reduce-scatter that long, whatever
+    # timeout the world group was made with.
     td = _as_timedelta(timeout)
+    if td is None:
+        td = get_process_group_timeout()
     if td is not None:
         pg_kwargs["timeout"] = td
     groups, ranks, created = {}, {}, []

@@ -1,6 +1,8 @@
 """parallel_state on real gloo worlds: getters agree, collectives sum exactly their members."""
 
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -199,3 +201,77 @@ def test_use_before_init_single_process():
         ps.get_optimizer_process_groups()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ps.initialize_model_parallel()
+
+
+# ------------------------------------------------------------------------------ timeouts
+
+
+def _group_timeouts(timeout, tp, pp):
+    """Seconds of every group this rank created (the world group's first)."""
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_optimizer_size=1, timeout=timeout)
+    try:
+        groups = list(ps._STATE.created)  # every group, getter or not
+        assert groups
+        return [ps.get_process_group_timeout().total_seconds()] + [
+            ps.get_process_group_timeout(g).total_seconds() for g in groups]
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_every_group_carries_the_timeout(world):
+    """``timeout=`` reaches every group, and without it every group takes the default
+    (world) group's timeout, not torch's 30 min: a hung rank then fails collectives on
+    the optimizer's groups as soon as on the world group."""
+    world_s = world(4, _group_timeouts, None, 1, 1)[0][0]
+    assert world_s == 300.0 != timedelta(minutes=30).total_seconds()  # mpzero.testing's
+    for tp, pp in ((1, 1), (2, 2)):
+        for per_rank in world(4, _group_timeouts, 5, tp, pp):
+            assert per_rank[0] == world_s and set(per_rank[1:]) == {5.0}, per_rank
+        for per_rank in world(4, _group_timeouts, timedelta(seconds=7.5), tp, pp):
+            assert set(per_rank[1:]) == {7.5}, per_rank
+        for per_rank in world(4, _group_timeouts, None, tp, pp):
+            assert set(per_rank) == {world_s}, per_rank
+
+
+def _reduce_scatter_without_a_peer():
+    """Rank 0 reduce-scatters over the distributed optimizer group; rank 1 does not come.
+    Returns how long rank 0 waited and what it raised."""
+    ps.initialize_model_parallel(timeout=5)
+    try:
+        group = ps.get_distributed_optimizer_group()
+        assert dist.get_world_size(group) == 2
+        result = None
+        if dist.get_rank() == 0:
+            t0 = time.monotonic()
+            try:
+                dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(8), group=group)
+                result = (time.monotonic() - t0, "no error")
+            except RuntimeError as e:
+                result = (time.monotonic() - t0, str(e))
+        # Rank 1 stays in the job (at a world barrier, 300 s) until rank 0 gave up, so
+        # rank 0 fails by the group's timeout, not because rank 1 left.
+        dist.barrier()
+        return result
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_without_a_peer_fails_after_the_group_timeout():
+    from mpzero.testing import World
+
+    with World(2) as w:  # its own world: a timed-out group leaves pending messages behind
+        waited, error = w.run(_reduce_scatter_without_a_peer, timeout=240)[0]
+    assert "timed out" in error.lower(), error
+    # 5 s expected; generous for a loaded machine, far below torch's default 1800 s.
+    assert 4.0 <= waited < 120, waited
+
+
+@pytest.mark.timeout(30)
+def test_timeout_values_are_checked():
+    for bad in (0, -1, timedelta(0), "10", True):
+        with pytest.raises(ValueError, match="timeout must be"):
+            ps._as_timedelta(bad)
+    assert ps._as_timedelta(2.5) == timedelta(seconds=2.5)

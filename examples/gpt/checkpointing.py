@@ -52,6 +52,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit this run."""
 
 
+class NonFiniteWeights(CheckpointError):
+    """The model holds NaN or Inf: saving it would make a broken checkpoint the newest."""
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -86,25 +90,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _failed_write(tmp: Path, path: Path, e: BaseException) -> None:
+    """Drop the temporary file of a write that failed (a full disk keeps what it holds),
+    and let the error name the file (torch.save's OSError names none)."""
+    try:
+        tmp.unlink()
+    except OSError:
+        pass
+    if isinstance(e, OSError) and e.filename is None:
+        e.filename = str(path)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _failed_write(tmp, path, e)
+        raise
     _fsync_dir(path.parent)
 
 
 def atomic_torch_save(obj, path: Path) -> str:
     """``torch.save`` to a temp file in the same dir, fsync, rename; returns its sha256."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    digest = sha256_file(tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        _failed_write(tmp, path, e)
+        raise
     _fsync_dir(path.parent)
     return digest
 
@@ -170,6 +193,28 @@ def _tp_group():
     return None
 
 
+def check_finite(model: torch.nn.Module, iteration: int | None = None) -> None:
+    """Collective: raise :class:`NonFiniteWeights` on every rank when any rank's model
+    parameters hold a NaN or Inf (each rank checks its own shards)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    bad: list[str] = []
+    if named:
+        finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu()
+        bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
+    reports = [(len(bad), bad[:3])]
+    if _distributed() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (len(bad), bad[:3]))
+    found = [(rank, n, names) for rank, (n, names) in enumerate(reports) if n]
+    if found:
+        where = "; ".join(f"rank {rank}: {n} tensor{'s' if n > 1 else ''} ({', '.join(names)}"
+                          f"{', ...' if n > len(names) else ''})" for rank, n, names in found)
+        at = f"at iteration {iteration} " if iteration is not None else ""
+        raise NonFiniteWeights(
+            f"the model's weights {at}hold NaN or Inf ({where}); refusing to save them, "
+            "so that the newest checkpoint stays a usable one")
+
+
 def _save_dcp(out: Path, model, optimizer, r: dict) -> dict[str, str]:
     """The torch_dist format: model and optimizer shards through DCP in ``out/dcp``; each
     rank checksums the file it wrote (rank 0 also DCP's metadata and mpzero.json)."""
@@ -194,7 +239,6 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
     r = _ranks()
     t0 = time.perf_counter()
     out = iteration_dir(save_dir, iteration)
-    out.mkdir(parents=True, exist_ok=True)
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
     if ckpt_format == "torch_dist" and not (_distributed()
@@ -204,6 +248,10 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         # With overlap_param_sync the weights are all-gathered in the next forward: until
         # then model.state_dict() would hold the previous step's values.
         optimizer.param_sync()
+    # Before anything is written: NaN weights must not become the newest checkpoint
+    # (resume picks the newest that verifies, and a NaN checkpoint verifies).
+    check_finite(model, iteration)
+    out.mkdir(parents=True, exist_ok=True)
     if _distributed():
         dist.barrier()  # the directory exists for everyone (shared file systems lag)
     written: dict[str, str] = {}
@@ -211,34 +259,58 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         written.update(_save_dcp(out, model, optimizer, r))
     else:
         optim_state = optimizer.state_dict()  # a collective for DistributedFusedAdam
-    if ckpt_format == "torch" and r["dp_rank"] == 0:
-        name = f"model_tp{r['tp_rank']:02d}.pt"
-        written[name] = atomic_torch_save(
-            {"model": _cpu_state(model), "partition_dims": partition_dims(model),
-             "optimizer": optim_state, "tp_rank": r["tp_rank"], "tp_size": r["tp_size"]},
-            out / name)
-    name = f"rng_rank{r['rank']:05d}.pt"
-    written[name] = atomic_torch_save(rng_state(), out / name)
+    # The files below are each rank's own (no collective inside): a rank whose write
+    # fails (disk full...) reports it through the gather instead of leaving the others
+    # waiting for it, and every rank raises the same error.
+    failure: OSError | None = None
+    try:
+        if ckpt_format == "torch" and r["dp_rank"] == 0:
+            name = f"model_tp{r['tp_rank']:02d}.pt"
+            written[name] = atomic_torch_save(
+                {"model": _cpu_state(model), "partition_dims": partition_dims(model),
+                 "optimizer": optim_state, "tp_rank": r["tp_rank"], "tp_size": r["tp_size"]},
+                out / name)
+        name = f"rng_rank{r['rank']:05d}.pt"
+        written[name] = atomic_torch_save(rng_state(), out / name)
+    except OSError as e:
+        failure = e
     if _distributed():
         gathered: list = [None] * r["world"]
-        dist.all_gather_object(gathered, written)
+        dist.all_gather_object(gathered, (written, failure))
     else:
-        gathered = [written]
+        gathered = [(written, failure)]
+    _raise_first_failure(out, [f for _, f in gathered])
     if r["rank"] == 0:
-        files = {k: v for part in gathered for k, v in part.items()}
+        files = {k: v for part, _ in gathered for k, v in part.items()}
         manifest = {"format": FORMAT, "iteration": iteration, "time": time.time(),
                     "tensor_model_parallel_size": r["tp_size"],
                     "data_parallel_size": r["dp_size"], "world_size": r["world"],
                     "ckpt_format": ckpt_format,
                     "data": data_state, "args": args, "files": files}
-        atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
-        atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
-    if _distributed():
-        dist.barrier()
+        try:
+            atomic_write_bytes(out / "manifest.json", json.dumps(manifest, indent=1).encode())
+            atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
+        except OSError as e:
+            failure = e
+    if _distributed():  # also the barrier: the save is complete for everyone after it
+        box = [failure if r["rank"] == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        _raise_first_failure(out, box)
+    elif failure is not None:
+        raise failure
     if r["rank"] == 0:
         print(f"saved checkpoint iter {iteration} to {out} in "
               f"{time.perf_counter() - t0:.2f} s", flush=True)
     return out
+
+
+def _raise_first_failure(out: Path, failures: list) -> None:
+    """Raise (on every rank that calls it with the same list) the first rank's OSError."""
+    for rank, failure in enumerate(failures):
+        if failure is not None:
+            error = CheckpointError(f"saving {out} failed on rank {rank}: {failure}")
+            error.rank = rank  # read by the example's faults.save_failed
+            raise error from failure
 
 
 # ----------------------------------------------------------------------------- load

@@ -254,7 +254,8 @@ def initialize(args) -> torch.device:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         distributed_optimizer_size=args.distributed_optimizer_size,
-        distribute_within_nodes=args.distribute_within_nodes)
+        distribute_within_nodes=args.distribute_within_nodes,
+        timeout=args.dist_timeout)  # every group, not only the world: a hung rank fails them all
     # Same default RNG on every rank (identical replicas); per-TP-rank tracked RNG for dropout.
     tp.model_parallel_manual_seed(args.seed)
     return device
@@ -373,6 +374,8 @@ def evaluate(model, val_tokens, args, device, autocast) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = initialize(args)
+    if args.save:  # every rank, before anything is trained, not at the first save
+        faults.check_save_dir(args.save)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = parallel_state.get_data_parallel_world_size()
     if args.global_batch_size is None:
@@ -475,15 +478,10 @@ def main(argv: list[str] | None = None) -> None:
                                           data_state=sampler.state_dict(), args=vars(args),
                                           ckpt_format=args.ckpt_format)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is no Exception
-            if isinstance(e, (KeyboardInterrupt, SystemExit)) or faults.is_comm_error(e):
+            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
+                    faults.disk_error(e) is None and faults.is_comm_error(e)):
                 raise  # another rank died: run_guarded says so
-            first = (str(e).strip().splitlines() or [repr(e)])[-1]
-            kept = checkpointing.read_latest(args.save)
-            raise faults.SaveFailed(
-                f"saving checkpoint iter {it} to {args.save} failed ({first}); "
-                + (f"the last complete checkpoint, {kept.name}, is unchanged and stays the "
-                   "resume point" if kept is not None else "no earlier checkpoint exists")
-                + ": free space (or fix the error) and relaunch with --load") from e
+            raise faults.save_failed(args.save, it, e, checkpointing.read_latest(args.save)) from e
 
     def run_eval(it: int) -> None:
         val = evaluate(model, val_tokens, args, device, autocast)

@@ -5,6 +5,8 @@ are skipped and too many in a row stop the run."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import resource
@@ -26,6 +28,7 @@ GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
 import checkpointing  # noqa: E402
+import gpt_jobs  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -42,8 +45,9 @@ def _port() -> int:
 
 def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
            preexec: dict | None = None) -> list:
-    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun);
-    ``preexec``: rank -> function run in that rank's process before it starts."""
+    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun),
+    tied to this test runner (gpt_jobs); ``preexec``: rank -> function run in that rank's
+    process before it starts."""
     port = str(_port())
     procs = []
     for r in range(n):
@@ -51,9 +55,9 @@ def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **(env_extra or {}))
         log = open(out / f"rank{r}.log", "w")  # noqa: SIM115 - closed by the caller's wait
-        procs.append((subprocess.Popen([sys.executable, str(GPT), *TINY, *args], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                       preexec_fn=(preexec or {}).get(r)), log))
+        procs.append((gpt_jobs.popen([sys.executable, str(GPT), *TINY, *args], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                     preexec=(preexec or {}).get(r)), log))
     return procs
 
 
@@ -150,37 +154,143 @@ def _file_size_limit(nbytes: int):
     return apply
 
 
+@contextlib.contextmanager
+def _small_file_system(path: Path, nbytes: int):
+    """A tmpfs of ``nbytes`` mounted on ``path`` (root only; the test skips otherwise)."""
+    path.mkdir(parents=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a full file system needs root (mount -t tmpfs)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _fill(path: Path, leave: int) -> None:
+    """Write a file that leaves only ``leave`` bytes free on ``path``'s file system."""
+    st = os.statvfs(path)
+    with open(path / "filler", "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave))
+
+
 @pytest.mark.timeout(300)
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(saved, data_dir, tmp_path):
-    """A save whose write fails half-way (rank 1 may write no file over 64 KiB, so its
-    optimizer shard fails as on a full disk): every rank exits non-zero naming the save,
-    ``latest`` and the checkpoints already there are untouched, and a relaunch resumes
-    from the last complete save and reports the unfinished one."""
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(saved, ckpt)
-    latest = (ckpt / "latest").read_bytes()
-    manifest = (ckpt / "iter_0000004" / "manifest.json").read_bytes()
+@pytest.mark.parametrize("fault", ["enospc", "file-size-limit"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(saved, data_dir, tmp_path,
+                                                               fault):
+    """A save whose writes fail half-way: every rank exits non-zero naming the save and
+    the cause in words, ``latest`` and the checkpoints already there are untouched, and a
+    relaunch resumes from the last complete save and reports the unfinished one.
+
+    ``enospc``: the checkpoint directory is on a tmpfs filled up to its last 24 KiB (the
+    kernel's own "No space left on device"); ``file-size-limit``: rank 1 may write no
+    file over 64 KiB (RLIMIT_FSIZE, any user), so its shard fails with EFBIG."""
     out = tmp_path / "full"
     out.mkdir()
-    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "6", "--save-interval",
-                       "2", "--save", str(ckpt), "--load", str(ckpt), "--dist-timeout", "30",
-                       "--use-checkpoint-opt-param-scheduler"],  # the lr decays over 4
-                   out, preexec={1: _file_size_limit(64 << 10)})
-    codes = wait_all(procs, 150)
-    text = logs(out, 2)
-    assert None not in codes and codes[0] != 0 and codes[1] != 0, (codes, text)
-    # DCP shares the writing rank's failure with every rank: all say what stays safe.
+    with contextlib.ExitStack() as stack:
+        if fault == "enospc":
+            disk = stack.enter_context(_small_file_system(tmp_path / "disk", 16 << 20))
+            ckpt, preexec, expected = disk / "ckpt", None, "no space left on device in "
+        else:
+            ckpt, preexec = tmp_path / "ckpt", {1: _file_size_limit(64 << 10)}
+            expected = "file too large (a file-size limit, e.g. ulimit -f) in "
+        shutil.copytree(saved, ckpt)
+        if fault == "enospc":
+            _fill(ckpt.parent, 24 << 10)
+        latest = (ckpt / "latest").read_bytes()
+        manifest = (ckpt / "iter_0000004" / "manifest.json").read_bytes()
+        procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "6",
+                           "--save-interval", "2", "--save", str(ckpt), "--load", str(ckpt),
+                           "--dist-timeout", "30",
+                           "--use-checkpoint-opt-param-scheduler"],  # the lr decays over 4
+                       out, preexec=preexec)
+        codes = wait_all(procs, 150)
+        text = logs(out, 2)
+        assert None not in codes and codes[0] != 0 and codes[1] != 0, (codes, text)
+        # Every rank (DCP shares the writing rank's failure) names the save and what stays
+        # safe; the cause in words with the directory on every rank that can see it (the
+        # full disk: all; the size limit: rank 1's own).
+        for r, t in enumerate(text):
+            assert f"saving checkpoint iter 6 to {ckpt} failed: " in t, t[-3000:]
+            if fault == "enospc" or r == 1:
+                assert f"failed: {expected}{ckpt}" in t, t[-3000:]
+            assert "iter_0000004, is unchanged and stays the resume point" in t, t[-3000:]
+        assert "saved checkpoint iter 6" not in text[0]
+        assert (ckpt / "latest").read_bytes() == latest
+        assert (ckpt / "iter_0000004" / "manifest.json").read_bytes() == manifest
+        assert checkpointing.verify_all(ckpt / "iter_0000004") == []
+        codes, text = _resume(data_dir, ckpt, tmp_path)
+        assert codes == [0, 0], text
+        assert "loaded checkpoint iter 4 from" in text[0]
+        if (ckpt / "iter_0000006").exists():  # the unfinished save is reported, not loaded
+            assert "iter_0000006" in text[0], text[0][-3000:]
+
+
+def _read_only_mount(path: Path):
+    """In the child: a private mount namespace where ``path`` is an empty read-only tmpfs
+    (this rank alone cannot write there; the other ranks see the real directory)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def apply() -> None:
+        clone_newns, ms_rdonly, ms_rec, ms_private = 0x20000, 1, 0x4000, 0x40000
+        if (libc.unshare(clone_newns) != 0
+                or libc.mount(b"none", b"/", None, ms_rec | ms_private, None) != 0
+                or libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", ms_rdonly, None) != 0):
+            os._exit(97)
+    return apply
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["every-rank", "rank-1"])
+def test_an_unwritable_save_dir_stops_every_rank_before_training(data_dir, tmp_path, where):
+    """``--save`` that a rank cannot write is found at start-up, not at the first save:
+    every rank exits 1 with the same message naming --save, the path and the failing
+    rank(s), before the first iteration. ``every-rank``: the path runs through a file
+    (any user: root may write anywhere else); ``rank-1``: only rank 1 sees a read-only
+    file system there (its own mount namespace; root only)."""
+    preexec = None
+    if where == "every-rank":
+        (tmp_path / "a-file").write_text("not a directory\n")
+        save, reason = tmp_path / "a-file" / "ckpt", "ranks 0, 1: a part of the path is not a"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("a per-rank read-only mount needs root")
+        (tmp_path / "shared").mkdir()
+        save, reason = tmp_path / "shared" / "ckpt", "rank 1: read-only file system"
+        preexec = {1: _read_only_mount(tmp_path / "shared")}
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "4", "--save",
+                       str(save)], tmp_path, preexec=preexec)
+    codes = wait_all(procs, 120)
+    text = logs(tmp_path, 2)
+    assert codes == [1, 1], (codes, text)
     for t in text:
-        assert "saving checkpoint iter 6 to" in t and "failed" in t, t[-3000:]
-        assert "iter_0000004, is unchanged and stays the resume point" in t, t[-3000:]
-    assert "saved checkpoint iter 6" not in text[0]
-    assert (ckpt / "latest").read_bytes() == latest
-    assert (ckpt / "iter_0000004" / "manifest.json").read_bytes() == manifest
-    codes, text = _resume(data_dir, ckpt, tmp_path)
-    assert codes == [0, 0], text
-    assert "loaded checkpoint iter 4 from" in text[0]
-    if (ckpt / "iter_0000006").exists():  # the unfinished save is reported, not loaded
-        assert "iter_0000006" in text[0], text[0][-3000:]
+        assert f"--save {save} is not writable ({reason}" in t, t[-3000:]
+        assert not re.search(r"iter +1/", t), t[-3000:]  # nothing was trained
+
+
+@pytest.mark.timeout(300)
+def test_non_finite_weights_are_not_saved(data_dir, tmp_path):
+    """With the NaN check off, a NaN loss at iteration 3 makes the weights NaN: the save
+    of iteration 4 is refused on every rank before anything is written, and the last good
+    checkpoint (iteration 2) stays the newest and ``latest``."""
+    ckpt = tmp_path / "ckpt"
+    procs = launch(2, ["--data-dir", str(data_dir), "--train-iters", "4", "--save-interval",
+                       "2", "--save", str(ckpt), "--no-check-for-nan-in-loss-and-grad"],
+                   tmp_path, {"MPZERO_INJECT_NAN_ITERS": "3"})
+    codes = wait_all(procs, 120)
+    text = logs(tmp_path, 2)
+    assert codes == [1, 1], (codes, text)
+    for t in text:
+        assert f"saving checkpoint iter 4 to {ckpt} failed: the model's weights at " \
+               "iteration 4 hold NaN or Inf (rank 0: " in t, t[-3000:]
+        assert "iter_0000002, is unchanged and stays the resume point" in t, t[-3000:]
+    assert "saved checkpoint iter 2 " in text[0]
+    assert checkpointing.read_latest(ckpt).name == "iter_0000002"
+    assert [d.name for d in checkpointing.list_checkpoints(ckpt)] == ["iter_0000002"]
 
 
 @pytest.mark.timeout(300)

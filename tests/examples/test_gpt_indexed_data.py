@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ GPT_DIR = REPO / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
 import data  # noqa: E402
+import gpt_jobs  # noqa: E402
 
 
 def _docs():
@@ -143,7 +143,7 @@ def _torchrun(nproc, extra, log):
            "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "0",
            "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress",
            "--log-file", str(log), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    proc = gpt_jobs.run(cmd, timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads(line) for line in open(log) if '"train"' in line]
 

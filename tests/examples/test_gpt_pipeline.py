@@ -14,7 +14,6 @@ single-rank run's losses, grad norms and validation losses.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from mpzero import tensor_parallel as tp  # noqa: E402
 from mpzero.testing import run_on_world  # noqa: E402
 
 import data  # noqa: E402
+import gpt_jobs  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from optim import build_optimizer  # noqa: E402
 from plot_log import read_log  # noqa: E402
@@ -200,8 +200,7 @@ def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path, precision):
         extra += ["--bf16"] if precision == "bf16" else []
         cmd = [sys.executable, *launcher, str(script), *CLI, *extra, "--data-dir",
                str(tmp_path / "data"), "--log-file", str(logs[name])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env,
-                              cwd=repo)
+        proc = gpt_jobs.run(cmd, timeout=150, env=env, cwd=repo)
         assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     (train1, eval1), (train2, eval2) = read_log(logs["pp1"]), read_log(logs["pp2"])
     assert [r["iteration"] for r in train2] == [1, 2, 3, 4]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
 sys.path.insert(0, str(GPT.parent))
 
+import gpt_jobs  # noqa: E402
 import pretrain_gpt  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 
@@ -47,8 +47,7 @@ def run(args: list[str], log: Path, nproc: int = 1, timeout: float = 240) -> str
     launcher = ([] if nproc == 1 else
                 ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)])
     cmd = [sys.executable, *launcher, str(GPT), *TINY, *args, "--log-file", str(log)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO)
+    proc = gpt_jobs.run(cmd, timeout=timeout, env=env, cwd=REPO)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
+import gpt_jobs  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 from plot_log import plot, read_log  # noqa: E402
 
@@ -38,8 +39,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Co
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), str(GPT_DIR / "pretrain_gpt.py"), *TINY, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=REPO)
+    proc = gpt_jobs.run(cmd, timeout=timeout, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -8,7 +8,9 @@ the node names in /etc/hosts. ``sbatch -N 2`` starts torchrun on each node
 ZeRO's distributed optimizer group spans both nodes. The test checks that the
 job completed, the loss fell, the optimizer group spanned the two nodes, and
 that the checkpoint loads (merged into a TP=1 model, it reproduces the job's
-final validation loss). Everything it set up — jobs, daemons, processes in its
+final validation loss). A second job is pre-empted (SIGUSR1 to its batch shell, as
+``--signal=B:USR1`` sends it): its ranks save and exit, and a third job resumes from
+that checkpoint. Everything it set up — jobs, daemons, processes in its
 namespaces, namespaces, bridge, /etc/hosts lines — is removed afterwards, also
 on failure.
 
@@ -392,3 +394,68 @@ def test_sbatch_two_nodes_trains_and_checkpoints(cluster):
     assert full["optimizer"]["format"] == 2
     param_states = [k for k in full["optimizer"]["state"] if isinstance(k, int)]
     assert len(param_states) == len(full["model"])
+
+
+def _job_output(work: Path, job_id: str) -> str:
+    out_file = work / f"job-{job_id}.out"
+    return out_file.read_text(errors="replace") if out_file.exists() else "(no output)"
+
+
+def _submit(cluster, work: Path, args: list[str], port: str) -> str:
+    env = dict(cluster.env, NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="auto",
+               PYTHON=sys.executable, PYTHONPATH=str(REPO), MASTER_PORT=port)
+    sub = cluster.ctl(["sbatch", "-N", "2", "--parsable", "-o", str(work / "job-%j.out"),
+                       "--time", "10", str(SBATCH), *JOB_ARGS, *args], env=env, cwd=REPO)
+    return sub.stdout.strip().split(";")[0]
+
+
+@pytest.mark.timeout(900)
+def test_sbatch_preemption_saves_and_resumes(cluster):
+    """SIGUSR1 to the batch shell (what ``#SBATCH --signal=B:USR1@180`` sends before the
+    time limit; here ``scancel --batch --signal=USR1``): the script's trap passes it to
+    srun, srun to torchrun on both nodes, torchrun to the 4 ranks; they save one
+    checkpoint together and exit, nothing is left running on the nodes, and a second job
+    resumes from that checkpoint."""
+    work = cluster.dir / "preempt"
+    work.mkdir()
+    data_dir = cluster.dir / "data-preempt"
+    data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=512), data_dir, quiet=True)
+    ckpt = work / "ckpt"
+    job_id = _submit(cluster, work, ["--train-iters", "100000", "--save-interval", "100000",
+                                     "--data-dir", str(data_dir), "--save", str(ckpt)],
+                     "29535")
+    deadline = time.time() + 300
+    while not re.search(r"iter +5/\d+ \|", _job_output(work, job_id)):
+        info = cluster.job_info(job_id)
+        assert info.get("JobState") not in TERMINAL and time.time() < deadline, (
+            f"{info}\n{_job_output(work, job_id)[-6000:]}\n{cluster.logs()}")
+        time.sleep(1)
+    cluster.ctl(["scancel", "--batch", "--signal=USR1", job_id])
+    info = cluster.wait_job(job_id, timeout=300)
+    output = _job_output(work, job_id)
+    # torchrun exits 1 after forwarding a signal, and the batch script passes srun's status
+    # on: 1, or 143 when srun (--kill-on-bad-exit) terminates the other node's torchrun as
+    # the first one exits 1. The ranks leave the save together, so it is complete by then.
+    assert info.get("JobState") == "FAILED" and info.get("ExitCode") in ("1:0", "143:0"), (
+        f"{info}\n{output[-6000:]}")
+    assert "SIGUSR1: asking every rank to save and exit" in output, output[-6000:]
+    it = int(re.search(r"saved checkpoint iter (\d+) ", output).group(1))
+    assert f"exiting at iteration {it} (signal SIGUSR1)" in output, output[-6000:]
+    assert checkpointing.read_latest(ckpt).name == f"iter_{it:07d}"
+    assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
+    # No rank outlived the job on either node.
+    for ns in cluster.ns[1:]:
+        pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
+        left = [p for p in pids
+                if "pretrain_gpt" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+        assert not left, (ns, left)
+    # A second job resumes from the pre-emption's checkpoint and completes.
+    job_id = _submit(cluster, work, ["--train-iters", str(it + 2), "--data-dir",
+                                     str(data_dir), "--save", str(ckpt), "--load", str(ckpt)],
+                     "29536")
+    info = cluster.wait_job(job_id, timeout=300)
+    output = _job_output(work, job_id)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (
+        f"{info}\n{output[-6000:]}")
+    assert f"loaded checkpoint iter {it} from" in output, output[-6000:]
+    assert checkpointing.read_latest(ckpt).name == f"iter_{it + 2:07d}"
