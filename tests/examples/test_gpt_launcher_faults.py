@@ -147,8 +147,11 @@ def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path,
     assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
     # The save resumes (same command, one more iteration).
     relog = tmp_path / "resume.log"
+    # One more iteration: the lr schedule stays the checkpoint's (a shorter --train-iters
+    # alone would change its decay, which a resume refuses without a side).
     proc = start_sbatch_torchrun(["--data-dir", str(data_dir), "--train-iters", str(it + 1),
-                                  "--load", str(ckpt)], relog)
+                                  "--load", str(ckpt), "--use-checkpoint-opt-param-scheduler"],
+                                 relog)
     try:
         code = finish(proc, 150)
     finally:
