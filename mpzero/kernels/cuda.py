@@ -31,12 +31,9 @@ __all__ = [
     "cross_entropy_stats",
     "cross_entropy_backward",
     "bias_gelu_backward",
-    "heads_grad_available",
     "heads_grad",
-    "layer_norm_available",
     "layer_norm_forward",
     "layer_norm_backward",
-    "gemm_gelu_available",
     "gemm_bias_gelu",
     "gemm_dgelu",
 ]
@@ -117,9 +114,8 @@ def multi_copy_supported(srcs, dsts) -> bool:
 
 
 def multi_add_supported(srcs, dsts) -> bool:
-    """Pairs of one dtype combination: fp32/fp16/bf16 into fp32, or bf16/fp16 into itself,
-    and an extension built with the kernel."""
-    if not srcs or not hasattr(_C, "multi_add"):
+    """Pairs of one dtype combination: fp32/fp16/bf16 into fp32, or bf16/fp16 into itself."""
+    if not srcs:
         return False
     st, dt = srcs[0].dtype, dsts[0].dtype
     ok = (dt == torch.float32 and st in _FLOATS) or (st == dt and st in _FLOATS)
@@ -189,11 +185,6 @@ class AdamPlan:
         self._plan.run(dynamic, *_hyper(self._device, **hyper))
 
 
-def adam_plan_available() -> bool:
-    """The built extension has ``AdamPlan`` (an older build of ``_C`` may not)."""
-    return hasattr(_C, "AdamPlan")
-
-
 def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:
     return _C.l2norm(list(tensors), noop_flag)
 
@@ -204,11 +195,6 @@ def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
 
 def multi_add(srcs, dsts, *, noop_flag=None) -> None:
     _C.multi_add(list(srcs), list(dsts), noop_flag)
-
-
-def cross_entropy_available() -> bool:
-    """The built extension has the fused cross-entropy kernels (an older build may not)."""
-    return hasattr(_C, "cross_entropy_stats")
 
 
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -223,21 +209,11 @@ def cross_entropy_backward(logits, target, lse, grad_loss, on_target: float,
                               float(off_target), out)
 
 
-def bias_gelu_available() -> bool:
-    """The built extension has the bias-GELU backward kernel (an older build may not)."""
-    return hasattr(_C, "bias_gelu_backward")
-
-
 def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
                        tanh_approx: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dbias = torch.empty_like(x), torch.empty_like(bias)
     _C.bias_gelu_backward(x, bias, dy, dx, dbias, bool(tanh_approx))
     return dx, dbias
-
-
-def heads_grad_available() -> bool:
-    """The built extension has the heads-gradient kernel (an older build may not)."""
-    return hasattr(_C, "heads_grad")
 
 
 def heads_grad(grads: Sequence[torch.Tensor],
@@ -247,11 +223,6 @@ def heads_grad(grads: Sequence[torch.Tensor],
     dbias = dy.new_empty(dy.shape[1]) if with_bias else None
     _C.heads_grad(list(grads), dy, dbias)
     return dy, dbias
-
-
-def layer_norm_available() -> bool:
-    """The built extension has the LayerNorm kernels (an older build may not)."""
-    return hasattr(_C, "layer_norm_forward")
 
 
 def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
@@ -335,11 +306,6 @@ def set_persistent_grid(on: bool) -> None:
 
 def persistent_grid() -> bool:
     return bool(_C.persistent_grid())
-
-
-def gemm_gelu_available() -> bool:
-    """The built extension has the cuBLASLt GELU-epilogue GEMMs (an older build may not)."""
-    return hasattr(_C, "gemm_bias_gelu")
 
 
 def gemm_bias_gelu(x, weight, bias):
