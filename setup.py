@@ -104,10 +104,9 @@ def _extensions():
         library_dirs=lib,
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20"],
-            # MPZERO_NVCC_FLAGS: extra nvcc flags for experiments (e.g.
-            # -DMPZERO_STREAMING_HINTS, see csrc/multi_tensor_apply.cuh)
-            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo",
-                     *os.environ.get("MPZERO_NVCC_FLAGS", "").split()],
+            # The launch constants are compiled in (csrc/multi_tensor_apply_config.h);
+            # variants are built by bench/sweep_launch.py, not here.
+            "nvcc": ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"],
         },
         # nccl_allocator.cpp: dlopen/dlsym (libc itself on glibc>=2.34); gemm_gelu.cpp: cuBLASLt
         extra_link_args=["-ldl", *_cublaslt_link_args(lib)],

@@ -3,8 +3,8 @@
 Rows: device-to-device copy (the ceiling), torch.optim.AdamW(fused=True) fp32, and
 mpzero's kernel for fp32, mixed (fp32 p/m/v, bf16 grad and bf16 p_out), capturable
 mixed (lr, step, or lr/step/found_inf on the device; eager and replayed from a CUDA graph)
-and bf16 + int16 remainders; the mixed, capturable and remainders rows also with the Adam
-kernels' loads ahead off (``set_prefetch(False)``; on by default). Each at the given total
+and bf16 + int16 remainders, in the launch configuration compiled into the installed
+``mpzero._C`` (other configurations: ``bench/sweep_launch.py``). Each at the given total
 sizes, split over 4 tensors per list, random data, warm-up, then the median of ``--iters``
 timings with CUDA events, every row measured ``--repeat`` times.
 
@@ -13,13 +13,10 @@ Effective bandwidth counts each input read once and each output written once:
   mixed 28 (4+2+4+4 read, 4+4+4+2 written); remainders 28 (p 2, rem 2, g 2, m 4, v 4 read;
   p 2, rem 2, m 4, v 4, p_out 2 written).
 
-    python bench/bench_adam_kernel.py [--sizes 64M,512M] [--iters 20] [--repeat 2] [--sweep]
-        [--json F]
+    python bench/bench_adam_kernel.py [--sizes 64M,512M] [--iters 20] [--repeat 2] [--json F]
 
-``--sweep`` first times the mixed kernel at the largest size under several launch
-configurations (threads per block, chunk size) and uses the best. Timing: calls are
-queued back to back (the host runs ahead, as in training), one event pair per call; the
-host's own time per call is reported in its own column.
+Timing: calls are queued back to back (the host runs ahead, as in training), one event
+pair per call; the host's own time per call is reported in its own column.
 """
 
 from __future__ import annotations
@@ -138,10 +135,8 @@ def _one_placement(n, iters, pad_mb):
     eager, _ = _time(fn, iters)
     graph_ms, _ = _time(_graph_of(fn).replay, iters)
     eager2, _ = _time(fn, iters)
-    persistent, _ = _persistent(lambda _n, it: _time(fn, it))(n, iters)
     copy_ms, _ = _time(lambda: dst.copy_(src), iters)
-    return dict(pad_mb=pad_mb, eager=eager, graph=graph_ms, eager2=eager2,
-                persistent=persistent, copy=copy_ms)
+    return dict(pad_mb=pad_mb, eager=eager, graph=graph_ms, eager2=eager2, copy=copy_ms)
 
 
 def placements(n, iters, count, seed=0):
@@ -160,7 +155,7 @@ def placements(n, iters, count, seed=0):
         print(
             f"  placement {i} pad {row['pad_mb']:4d} MB: copy {tb['copy']:.3f} TB/s  "
             f"fp32 eager {tb['eager']:.3f}  graph {tb['graph']:.3f}  "
-            f"eager again {tb['eager2']:.3f}  persistent grid {tb['persistent']:.3f} TB/s  "
+            f"eager again {tb['eager2']:.3f} TB/s  "
             f"(eager / copy {tb['eager'] / tb['copy']:.3f})",
             flush=True,
         )
@@ -211,39 +206,6 @@ def case_remainders(n, iters):
     return _time(fn, iters), 28
 
 
-def _with(case, knob: str, value):
-    """``case`` run with one kernel knob of ``mpzero.kernels.cuda`` set (``set_<knob>``),
-    restored afterwards."""
-    def run(n, iters):
-        from mpzero.kernels import cuda as kc
-
-        old = getattr(kc, knob)()
-        getattr(kc, "set_" + knob)(value)
-        try:
-            return case(n, iters)
-        finally:
-            getattr(kc, "set_" + knob)(old)
-    return run
-
-
-def _in_a_row(case):
-    """``case`` with the Adam kernels' older access pattern, 8 elements in a row per thread
-    (``kc.set_split_access(False)``; the default splits them into two runs of 4)."""
-    return _with(case, "split_access", False)
-
-
-def _no_loads_ahead(case):
-    """``case`` with the Adam kernels' loads ahead off (``kc.set_prefetch(False)``; the
-    default issues a thread's next block step's loads before this step's math)."""
-    return _with(case, "prefetch", False)
-
-
-def _persistent(case):
-    """``case`` on a persistent grid (SMs x resident blocks walking the chunks,
-    ``kc.set_persistent_grid(True)``; the default gives each chunk its own block)."""
-    return _with(case, "persistent_grid", True)
-
-
 CASES = [
     ("D2D copy (ceiling)", case_copy),
     ("torch AdamW fused fp32", case_torch_fused),
@@ -254,39 +216,7 @@ CASES = [
     ("mpzero capturable mixed", case_capturable),
     ("mpzero capturable mixed, graph", case_capturable_graph),
     ("mpzero remainders", case_remainders),
-    ("mpzero mixed, no loads ahead", _no_loads_ahead(case_mixed)),
-    ("mpzero capturable mixed, no loads ahead", _no_loads_ahead(case_capturable)),
-    ("mpzero capturable mixed, graph, no loads ahead", _no_loads_ahead(case_capturable_graph)),
-    ("mpzero remainders, no loads ahead", _no_loads_ahead(case_remainders)),
-    ("mpzero fp32, 8 in a row", _in_a_row(case_fp32)),
-    ("mpzero mixed, 8 in a row", _in_a_row(case_mixed)),
-    ("mpzero capturable mixed, graph, 8 in a row", _in_a_row(case_capturable_graph)),
-    ("mpzero remainders, 8 in a row", _in_a_row(case_remainders)),
-    ("mpzero fp32, persistent grid", _persistent(case_fp32)),
-    ("mpzero mixed, persistent grid", _persistent(case_mixed)),
-    ("mpzero capturable mixed, graph, persistent grid", _persistent(case_capturable_graph)),
-    ("mpzero remainders, persistent grid", _persistent(case_remainders)),
 ]
-
-
-def sweep(n, iters):
-    from mpzero.kernels import cuda as kc
-
-    configs = [(t, 0, c) for t in (256, 512) for c in (2048, 4096, 8192, 16384, 65536)]
-    rows = []
-    lists = _adam_lists(n, torch.float32, torch.bfloat16, torch.bfloat16)
-    for cfg in configs:
-        kc.set_launch_config(*cfg)
-        ms, _ = _time(lambda: kernels.adam(*lists, lr=1e-4, step=10, **HP), iters)
-        rows.append((cfg, ms))
-        print(
-            f"  sweep threads={cfg[0]} blocks/SM={cfg[1] or 'occupancy'} chunk={cfg[2]}: "
-            f"{ms:.3f} ms  {28 * n / ms / 1e9:.3f} TB/s",
-            flush=True,
-        )
-    best = min(rows, key=lambda r: r[1])[0]
-    kc.set_launch_config(*best)
-    return best, rows
 
 
 def main() -> None:
@@ -294,7 +224,6 @@ def main() -> None:
     ap.add_argument("--sizes", default="64M,512M")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2, help="measure every row this many times")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cases", default=None, help="comma-separated row-name substrings")
     ap.add_argument(
@@ -307,18 +236,12 @@ def main() -> None:
         raise SystemExit("needs a CUDA device")
     if not kernels.extension_available():
         raise SystemExit("mpzero._C is not built: the rows would time the reference")
-    from mpzero.kernels import cuda as kc
 
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     result = {"device": props.name, "torch": torch.__version__, "rows": []}
-    if args.sweep:
-        best, rows = sweep(max(sizes), args.iters)
-        result["sweep"] = [{"config": c, "ms": ms} for c, ms in rows]
-        print(f"best launch config (threads, blocks/SM, chunk): {best}")
     if args.placements:
         result["placements"] = placements(min(sizes), args.iters, args.placements)
-    result["config"] = list(kc.get_launch_config())
     cases = CASES
     if args.cases:
         keys = args.cases.split(",")
@@ -351,7 +274,6 @@ def main() -> None:
             json.dump(result, f, indent=1)
     print()
     print(
-        f"launch config (threads, blocks/SM, chunk): {tuple(result['config'])}; "
         f"median of {args.iters} per row, first of {args.repeat} repeats, spread = max "
         f"difference between repeats"
     )

@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
-#                             [heads] [layernorm] [prefetch]
+#                             [heads] [layernorm] [sweep]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -26,9 +26,9 @@
 #   heads:     bench/bench_heads_grad.py (the QKV gradient in one pass vs inductor's kernels)
 #   layernorm: the fused LayerNorm's and RMSNorm's GPU tests, bench/bench_layer_norm.py (both
 #              norms), and the 1.3B GA4 dfa iteration with and without --layernorm-fusion
-#   prefetch:  the Adam kernels' loads ahead (set_prefetch): the access-pattern bit tests,
-#              bench_step.py with MPZERO_PREFETCH=0 and with the default (on), and the
-#              launch sweep of chunk sizes with both
+#   sweep:     bench/sweep_launch.py (also as "prefetch"): the Adam kernels built with other
+#              launch constants (threads, chunk size, loads ahead off/on), each variant's bits
+#              checked against the default build and its time next to it
 #
 # Each stage prints its wall time; a failing stage does not stop the later ones.
 set -u -o pipefail
@@ -106,14 +106,10 @@ for s in $stages; do
     gelu) stage gelu python3 bench/bench_gelu.py ;;
     mlp) stage mlp python3 bench/bench_mlp.py --iters 30 ;;
     heads) stage heads python3 bench/bench_heads_grad.py --iters 30 ;;
-    prefetch) stage prefetch-tests python3 -m pytest -q tests/gpu/test_kernels.py \
-                -k "split_access or environment or launch_config" --timeout 120 -p no:cacheprovider
-              MPZERO_PREFETCH=0 stage step-noprefetch python3 bench/bench_step.py --reps 40 \
-                --json "$OUT/step_noprefetch.json"
-              stage step-prefetch python3 bench/bench_step.py --reps 40 \
-                --json "$OUT/step_prefetch.json"
-              stage sweep-prefetch python3 bench/sweep_launch.py --reps 15 --threads 256,512 \
-                --chunks 8192,16384,32768,65536 --prefetch 0,1 --grids block-per-chunk ;;
+    sweep|prefetch) stage sweep python3 bench/sweep_launch.py --threads 256,512 \
+                      --chunks 8192,16384,32768,65536 --prefetch 0,1 --reps 25 --rounds 3 \
+                      --build-dir "${SWEEP_BUILD:-/tmp/mpzero-sweep-build}" \
+                      --json "$OUT/sweep_launch.json" ;;
     layernorm) stage layernorm-tests python3 -m pytest -q tests/gpu/test_layer_norm_cuda.py \
                  --timeout 120 -p no:cacheprovider
                stage layernorm python3 bench/bench_layer_norm.py --iters 30

@@ -80,32 +80,18 @@ struct AdamScalars {
 };
 
 // The bias corrections of a device step are two FP64 pows: made here once per launch, not
-// by every thread of every block (which took 2% of the capturable step on an H200).
+// by every thread of every block (a measurable share of the step: docs/kernels.md).
 __global__ void resolve_scalars_kernel(AdamScalars s, float* out) {
   s.resolve_from_pointers(out);
 }
 
-// How a kernel walks a chunk (launch_config(): split_access, prefetch): a thread's 8
-// elements in a row, as two runs of 4 half a block step apart, or the latter with the next
-// step's loads in flight during this step's math (for_chunk_prefetch).
-enum Access : int { kContiguous = 0, kSplit = 1, kSplitPrefetch = 2 };
-
-int access_of(const LaunchConfig& cfg) {
-  return !cfg.split_access ? kContiguous : cfg.prefetch ? kSplitPrefetch : kSplit;
-}
-
-// f(std::integral_constant<int, A>{}) for the configured access A.
-template <typename F>
-void dispatch_access(F&& f) {
-  switch (access_of(launch_config())) {
-    case kContiguous: f(std::integral_constant<int, kContiguous>{}); break;
-    case kSplit: f(std::integral_constant<int, kSplit>{}); break;
-    default: f(std::integral_constant<int, kSplitPrefetch>{}); break;
-  }
-}
+// How a kernel walks a chunk: aligned tensors in block steps with split access (load8x),
+// the next step's loads in flight during this step's math (for_chunk_prefetch) unless the
+// build sets MPZERO_NO_PREFETCH (kLoadsAhead, multi_tensor_apply_config.h); misaligned
+// tensors and a tensor's last partial step take a scalar path.
 
 // Lists: 0 p (P), 1 g (G), 2 m (P), 3 v (P), 4 p_out (runtime dtype, nullable).
-template <typename P, typename G, int kAccess>
+template <typename P, typename G>
 struct AdamOp {
   struct Row {  // one split step loaded ahead
     Split8<P> p;
@@ -134,22 +120,21 @@ struct AdamOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) &&
                          (out == nullptr || aligned16(out));
-    // The update of one vector step and its stores (tag: split or not).
-    auto update_store = [&](auto tag, int64_t i0, int64_t i1, float (&rp)[kVec],
-                            const float (&rg)[kVec], float (&rm)[kVec], float (&rv)[kVec]) {
-      [[maybe_unused]] constexpr bool S = decltype(tag)::value;
+    // The update of one block step (two runs of 4 at i0 and i1) and its stores.
+    auto update_store = [&](int64_t i0, int64_t i1, float (&rp)[kVec], const float (&rg)[kVec],
+                            float (&rm)[kVec], float (&rv)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) s.update(rp[j], rg[j], rm[j], rv[j], gs);
-      if constexpr (kAccess == kSplitPrefetch) {  // only split steps come here
+      if constexpr (kLoadsAhead) {
         store8x_wide(p, i0, i1, rp);
         store8x_wide(m, i0, i1, rm);
         store8x_wide(v, i0, i1, rv);
         store8x_out_wide(ok, out, i0, i1, rp);
       } else {
-        store8x<S>(p, i0, i1, rp);
-        store8x<S>(m, i0, i1, rm);
-        store8x<S>(v, i0, i1, rv);
-        store8x_out<S>(ok, out, i0, i1, rp);
+        store8x(p, i0, i1, rp);
+        store8x(m, i0, i1, rm);
+        store8x(v, i0, i1, rv);
+        store8x_out(ok, out, i0, i1, rp);
       }
     };
     auto scalar = [&](int64_t base, int64_t e) {
@@ -176,7 +161,7 @@ struct AdamOp {
         }
       }
     };
-    if constexpr (kAccess == kSplitPrefetch) {
+    if constexpr (kLoadsAhead) {
       if (aligned) {
         for_chunk_prefetch(
             begin, end,
@@ -190,22 +175,21 @@ struct AdamOp {
               split8_to_float(x.g, rg);
               split8_to_float(x.m, rm);
               split8_to_float(x.v, rv);
-              update_store(std::true_type{}, i0, i1, rp, rg, rm, rv);
+              update_store(i0, i1, rp, rg, rm, rv);
             },
             scalar);
         return;
       }
     }
-    for_chunk_x(
-        aligned, kAccess != kContiguous, begin, end,
-        [&](auto tag, int64_t i0, int64_t i1) {
-          constexpr bool S = decltype(tag)::value;
+    for_chunk_split(  // without the loads ahead; with them, misaligned tensors only
+        aligned, begin, end,
+        [&](int64_t i0, int64_t i1) {
           float rp[kVec], rg[kVec], rm[kVec], rv[kVec];
-          load8x<S>(p, i0, i1, rp);
-          load8x<S>(g, i0, i1, rg);
-          load8x<S>(m, i0, i1, rm);
-          load8x<S>(v, i0, i1, rv);
-          update_store(tag, i0, i1, rp, rg, rm, rv);
+          load8x(p, i0, i1, rp);
+          load8x(g, i0, i1, rg);
+          load8x(m, i0, i1, rm);
+          load8x(v, i0, i1, rv);
+          update_store(i0, i1, rp, rg, rm, rv);
         },
         scalar);
   }
@@ -224,7 +208,7 @@ __device__ __forceinline__ void split_bits(float x, uint32_t& hi_bits, uint32_t&
 }
 
 // Lists: 0 p (bf16 bits), 1 rem (int16), 2 g (G), 3 m (fp32), 4 v (fp32), 5 p_out (nullable).
-template <typename G, int kAccess>
+template <typename G>
 struct AdamRemOp {
   struct Row {  // one split step loaded ahead
     Split8<uint16_t> p, r;
@@ -260,11 +244,9 @@ struct AdamRemOp {
     const OutKind ok = out == nullptr ? OutKind::kNone : out_kind;
     const bool aligned = aligned16(p) && aligned16(r) && aligned16(g) && aligned16(m) &&
                          aligned16(v) && (out == nullptr || aligned16(out));
-    // The update of one vector step and its stores (tag: split or not).
-    auto update_store = [&](auto tag, int64_t i0, int64_t i1, uint32_t (&hp)[kVec],
-                            uint32_t (&hr)[kVec], const float (&rg)[kVec], float (&rm)[kVec],
-                            float (&rv)[kVec]) {
-      [[maybe_unused]] constexpr bool S = decltype(tag)::value;
+    // The update of one block step (two runs of 4 at i0 and i1) and its stores.
+    auto update_store = [&](int64_t i0, int64_t i1, uint32_t (&hp)[kVec], uint32_t (&hr)[kVec],
+                            const float (&rg)[kVec], float (&rm)[kVec], float (&rv)[kVec]) {
       float x[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -272,7 +254,7 @@ struct AdamRemOp {
         s.update(x[j], rg[j], rm[j], rv[j], gs);
         split_bits(x[j], hp[j], hr[j]);
       }
-      if constexpr (kAccess == kSplitPrefetch) {  // only split steps come here
+      if constexpr (kLoadsAhead) {
         store8x_u16_wide(p, i0, i1, hp);
         store8x_u16_wide(r, i0, i1, hr);
         store8x_wide(m, i0, i1, rm);
@@ -280,12 +262,12 @@ struct AdamRemOp {
         if (ok == OutKind::kBFloat16) store8x_u16_wide(static_cast<uint16_t*>(out), i0, i1, hp);
         else store8x_out_wide(ok, out, i0, i1, x);
       } else {
-        store8x_u16<S>(p, i0, i1, hp);
-        store8x_u16<S>(r, i0, i1, hr);
-        store8x<S>(m, i0, i1, rm);
-        store8x<S>(v, i0, i1, rv);
-        if (ok == OutKind::kBFloat16) store8x_u16<S>(static_cast<uint16_t*>(out), i0, i1, hp);
-        else store8x_out<S>(ok, out, i0, i1, x);
+        store8x_u16(p, i0, i1, hp);
+        store8x_u16(r, i0, i1, hr);
+        store8x(m, i0, i1, rm);
+        store8x(v, i0, i1, rv);
+        if (ok == OutKind::kBFloat16) store8x_u16(static_cast<uint16_t*>(out), i0, i1, hp);
+        else store8x_out(ok, out, i0, i1, x);
       }
     };
     auto scalar = [&](int64_t base, int64_t e) {
@@ -306,7 +288,7 @@ struct AdamRemOp {
         }
       }
     };
-    if constexpr (kAccess == kSplitPrefetch) {
+    if constexpr (kLoadsAhead) {
       if (aligned) {
         for_chunk_prefetch(
             begin, end,
@@ -322,24 +304,23 @@ struct AdamRemOp {
               split8_to_float(x.g, rg);
               split8_to_float(x.m, rm);
               split8_to_float(x.v, rv);
-              update_store(std::true_type{}, i0, i1, hp, hr, rg, rm, rv);
+              update_store(i0, i1, hp, hr, rg, rm, rv);
             },
             scalar);
         return;
       }
     }
-    for_chunk_x(
-        aligned, kAccess != kContiguous, begin, end,
-        [&](auto tag, int64_t i0, int64_t i1) {
-          constexpr bool S = decltype(tag)::value;
+    for_chunk_split(  // without the loads ahead; with them, misaligned tensors only
+        aligned, begin, end,
+        [&](int64_t i0, int64_t i1) {
           uint32_t hp[kVec], hr[kVec];
           float rg[kVec], rm[kVec], rv[kVec];
-          load8x_u16<S>(p, i0, i1, hp);
-          load8x_u16<S>(r, i0, i1, hr);
-          load8x<S>(g, i0, i1, rg);
-          load8x<S>(m, i0, i1, rm);
-          load8x<S>(v, i0, i1, rv);
-          update_store(tag, i0, i1, hp, hr, rg, rm, rv);
+          load8x_u16(p, i0, i1, hp);
+          load8x_u16(r, i0, i1, hr);
+          load8x(g, i0, i1, rg);
+          load8x(m, i0, i1, rm);
+          load8x(v, i0, i1, rv);
+          update_store(i0, i1, hp, hr, rg, rm, rv);
         },
         scalar);
   }
@@ -411,10 +392,7 @@ void launch_adam(const AdamScalars& s, at::ScalarType pt, at::ScalarType gt, Out
     dispatch_adam(gt, "grads", [&](auto g_tag) {
       using P = decltype(p_tag);
       using G = decltype(g_tag);
-      dispatch_access([&](auto access) {
-        launch_multi_tensor<5>(ptrs, numel, chunk_elems(),
-                               AdamOp<P, G, decltype(access)::value>{s, ok, 1.0f});
-      });
+      launch_multi_tensor<5>(ptrs, numel, chunk_elems(), AdamOp<P, G>{s, ok, 1.0f});
     });
   });
 }
@@ -425,10 +403,7 @@ void launch_adam(const AdamScalars& s, at::ScalarType, at::ScalarType gt, OutKin
                  const std::vector<int64_t>& numel) {
   dispatch_adam(gt, "grads", [&](auto g_tag) {
     using G = decltype(g_tag);
-    dispatch_access([&](auto access) {
-      launch_multi_tensor<6>(ptrs, numel, chunk_elems(),
-                             AdamRemOp<G, decltype(access)::value>{s, ok, 1.0f});
-    });
+    launch_multi_tensor<6>(ptrs, numel, chunk_elems(), AdamRemOp<G>{s, ok, 1.0f});
   });
 }
 

@@ -66,24 +66,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_dgelu", &mpzero::gemm_dgelu,
         "cuBLASLt GEMM with GELU-gradient (tanh) epilogue: (grad_out weight) * gelu'(z)",
         py::arg("grad_out"), py::arg("weight"), py::arg("z"));
-  m.def("set_launch_config", &mpzero::set_launch_config,
-        "Set (threads, blocks_per_sm, chunk_elems); 0 / -1 / 0 keep the current values",
-        py::arg("threads"), py::arg("blocks_per_sm"), py::arg("chunk_elems"));
-  m.def("get_launch_config", &mpzero::get_launch_config);
-  m.def("set_chunk_balancing", &mpzero::set_chunk_balancing,
-        "Elementwise kernels: balance chunks over the grid (default on)", py::arg("on"));
-  m.def("chunk_balancing", &mpzero::chunk_balancing);
-  m.def("set_split_access", &mpzero::set_split_access,
-        "Adam kernels: each thread's 8 elements as two runs of 4 half a block step apart",
-        py::arg("on"));
-  m.def("split_access", &mpzero::split_access);
-  m.def("set_prefetch", &mpzero::set_prefetch,
-        "Adam kernels with split access: issue the next block step's loads before this "
-        "step's math and stores", py::arg("on"));
-  m.def("prefetch", &mpzero::prefetch);
-  m.def("set_persistent_grid", &mpzero::set_persistent_grid,
-        "Elementwise kernels: a persistent grid instead of one block per chunk", py::arg("on"));
-  m.def("persistent_grid", &mpzero::persistent_grid);
   m.def(
       "nccl_allocator_info",
       [] {

@@ -106,8 +106,7 @@ void multi_copy(const std::vector<at::Tensor>& srcs, const std::vector<at::Tenso
     raw_bytes.push_back(srcs[i].numel() * (int64_t)srcs[i].element_size());
   }
   if (!raw_bytes.empty()) {
-    launch_multi_tensor<2>(raw_ptrs, raw_bytes, chunk_elems(4, kRawVec), RawOp{noop},
-                           (int64_t)launch_config().threads * kRawVec);
+    launch_multi_tensor<2>(raw_ptrs, raw_bytes, chunk_elems(4, kRawVec), RawOp{noop});
   }
   for (size_t i0 = 0; i0 < n; ++i0) {
     if (done[i0]) continue;

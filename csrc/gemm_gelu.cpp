@@ -3,12 +3,9 @@
 //   gemm_bias_gelu:  z = x W1^T + b1, y = gelu(z)           one GEMM writes y and z
 //   gemm_dgelu:     dz = (dout W2) * gelu'(z)                one GEMM writes dz
 //
-// (cuBLASLt's DGELU_BGRAD epilogue would also sum dz's columns into b1's gradient, but on
-// an H100 with the cuBLASLt of CUDA 13.0 it took 1.91 ms at the 1.3B GPT's shape against
-// 0.80 ms for DGELU alone and 0.77 for the plain GEMM; the bias gradient is a separate
-// reduction, see mpzero/tensor_parallel/gelu_mlp.py. The BGRADB epilogue on the weight-
-// gradient GEMM, which reads the same dz, was slower too: 0.846 ms against 0.826 for that
-// GEMM plus a separate sum, on an H100.)
+// The bias gradient is a separate reduction (mpzero/tensor_parallel/gelu_mlp.py): the
+// DGELU_BGRAD and BGRADB epilogues that would sum dz's columns were slower
+// (docs/tensor_parallel.md).
 // cuBLASLt's GELU is the tanh approximation, 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
 // Row-major [M, N] tensors are column-major [N, M] matrices to cuBLASLt, so each product
 // is computed transposed: y^T = W1 x^T (W1 [N, K] row-major = column-major [K, N], op T),

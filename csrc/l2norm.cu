@@ -127,7 +127,8 @@ at::Tensor l2norm(const std::vector<at::Tensor>& tensors, std::optional<at::Tens
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     for_group(groups[gi].first, [&](auto tag) {
       using T = decltype(tag);
-      plans[gi] = plan_launches<1, L2Op<T>>(groups[gi].second.second, chunk);
+      plans[gi] =
+          plan_launches<1>(groups[gi].second.second, chunk, persistent_grid<1, L2Op<T>>());
     });
     for (const auto& pl : plans[gi]) nblocks += pl.grid;
   }

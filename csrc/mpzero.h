@@ -120,16 +120,4 @@ std::tuple<at::Tensor, at::Tensor> gemm_bias_gelu(const at::Tensor& x, const at:
                                                   const std::optional<at::Tensor>& bias);
 // grad_out [M, H], weight [H, F], z [M, F] -> dz = (grad_out weight) * gelu'(z), [M, F].
 at::Tensor gemm_dgelu(const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& z);
-
-// Launch tuning (benchmarks): 0 leaves a value unchanged.
-void set_launch_config(int64_t threads, int64_t blocks_per_sm, int64_t chunk_elems);
-std::tuple<int64_t, int64_t, int64_t> get_launch_config();
-void set_chunk_balancing(bool on);
-bool chunk_balancing();
-void set_split_access(bool on);
-bool split_access();
-void set_prefetch(bool on);
-bool prefetch();
-void set_persistent_grid(bool on);
-bool persistent_grid();
 }  // namespace mpzero

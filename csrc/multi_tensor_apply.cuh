@@ -6,12 +6,13 @@
 //     value as a __grid_constant__ parameter, < 4 KiB), together with the prefix sum of
 //     their chunk counts. More tensors than fit become several launches.
 //   * Elementwise launches (Adam, casts) give each chunk its own block: grid = total chunks
-//     (launch_config().persistent = false, the default; one block per chunk measured 4-5%
-//     faster than a persistent grid on an H100, docs/kernels.md). Reductions (the L2
-//     norm, one partial per block) and `persistent = true` use a persistent grid:
-//     min(total chunks, SMs x blocks per SM) blocks. Either way a block walks chunks
-//     blockIdx.x, blockIdx.x + gridDim.x, ... and finds its tensor by a binary search over
-//     the prefix sums (uniform across the block, a few constant-cache reads).
+//     (faster than a persistent grid: docs/kernels.md). Reductions (the L2 norm, one
+//     partial per block) use a persistent grid: min(total chunks, SMs x blocks per SM)
+//     blocks. Either way a block walks chunks blockIdx.x, blockIdx.x + gridDim.x, ... and
+//     finds its tensor by a binary search over the prefix sums (uniform across the block,
+//     a few constant-cache reads).
+//   * Threads per block, chunk size and the Adam kernels' loads ahead are compile-time
+//     constants (multi_tensor_apply_config.h).
 //   * Inside a chunk, a thread handles 8 consecutive elements per step with 16-byte loads
 //     and stores when every pointer of that tensor is 16-byte aligned (chunk starts are
 //     multiples of 8 elements, so alignment carries over); the last < 8 elements, and
@@ -80,20 +81,6 @@ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-// 16-byte vector loads and stores. With -DMPZERO_STREAMING_HINTS (an experiment, off by
-// default) they carry the evict-first cache hint (ld.global.cs / st.global.cs).
-#ifdef MPZERO_STREAMING_HINTS
-template <class V>
-__device__ __forceinline__ V vload(const V* p) { return __ldcs(p); }
-template <class V>
-__device__ __forceinline__ void vstore(V* p, const V& v) { __stcs(p, v); }
-#else
-template <class V>
-__device__ __forceinline__ V vload(const V* p) { return *p; }
-template <class V>
-__device__ __forceinline__ void vstore(V* p, const V& v) { *p = v; }
-#endif
-
 // One 16-byte store instruction (st.global.v4.b32; p 16-byte aligned, in global memory).
 // Stored through a plain pointer, a vector the compiler has seen built from 16-bit values
 // can come out as four 4-byte stores. The memory clobber keeps loads the code issued
@@ -130,7 +117,7 @@ __device__ __forceinline__ void stg64(void* p, const uint2& v) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
 }
 
-// store8x<true> (two runs of 4 at i0 and i1) with explicit vector store instructions: 16
+// store8x (two runs of 4 at i0 and i1) with explicit vector store instructions: 16
 // bytes per run of fp32, 8 per run of 16-bit values. Through a plain pointer the compiler
 // may split a run into 4-byte stores when it cannot place the values in aligned registers
 // (seen in the Adam kernels with loads ahead).
@@ -175,7 +162,7 @@ template <typename T>
 __device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
   Raw8<T> x;
 #pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = vload(reinterpret_cast<const uint4*>(p) + i);
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.w[i] = *(reinterpret_cast<const uint4*>(p) + i);
   return x;
 }
 template <typename T>
@@ -236,7 +223,7 @@ struct Split8 {
 template <typename T>
 __device__ __forceinline__ Split8<T> load_split8(const T* p, int64_t i0, int64_t i1) {
   using W = typename Split8<T>::W;
-  return {vload(reinterpret_cast<const W*>(p + i0)), vload(reinterpret_cast<const W*>(p + i1))};
+  return {*reinterpret_cast<const W*>(p + i0), *reinterpret_cast<const W*>(p + i1)};
 }
 template <typename T>
 __device__ __forceinline__ void split8_to_float(const Split8<T>& x, float (&r)[kVec]) {
@@ -263,13 +250,13 @@ __device__ __forceinline__ void split8_to_u32(const Split8<uint16_t>& x, uint32_
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
   if constexpr (sizeof(T) == 4) {
-    const float4 a = vload(reinterpret_cast<const float4*>(p));
-    const float4 b = vload(reinterpret_cast<const float4*>(p) + 1);
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *(reinterpret_cast<const float4*>(p) + 1);
     r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
     r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
-    const uint4 u = vload(reinterpret_cast<const uint4*>(p));
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
     const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) r[j] = to_float(e[j]);
@@ -280,54 +267,32 @@ __device__ __forceinline__ void load8(const T* p, float (&r)[kVec]) {
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&r)[kVec]) {
   if constexpr (sizeof(T) == 4) {
-    vstore(reinterpret_cast<float4*>(p), make_float4(r[0], r[1], r[2], r[3]));
-    vstore(reinterpret_cast<float4*>(p) + 1, make_float4(r[4], r[5], r[6], r[7]));
+    *reinterpret_cast<float4*>(p) = make_float4(r[0], r[1], r[2], r[3]);
+    *(reinterpret_cast<float4*>(p) + 1) = make_float4(r[4], r[5], r[6], r[7]);
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
     uint4 u;
     T* e = reinterpret_cast<T*>(&u);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) e[j] = from_float<T>(r[j]);
-    vstore(reinterpret_cast<uint4*>(p), u);
+    *reinterpret_cast<uint4*>(p) = u;
   }
 }
 
-// 8 raw 16-bit values (bf16 bits, int16 remainders).
-__device__ __forceinline__ void load8_u16(const void* p, uint32_t (&r)[kVec]) {
-  const uint4 u = vload(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    r[2 * j] = w[j] & 0xFFFFu;
-    r[2 * j + 1] = w[j] >> 16;
-  }
-}
-__device__ __forceinline__ void store8_u16(void* p, const uint32_t (&r)[kVec]) {
-  uint4 u;
-  u.x = (r[0] & 0xFFFFu) | (r[1] << 16);
-  u.y = (r[2] & 0xFFFFu) | (r[3] << 16);
-  u.z = (r[4] & 0xFFFFu) | (r[5] << 16);
-  u.w = (r[6] & 0xFFFFu) | (r[7] << 16);
-  vstore(reinterpret_cast<uint4*>(p), u);
-}
-
-// The same 8 values as two runs of 4: elements i0..i0+3 and i1..i1+3 (kSplit), or the 8
-// consecutive elements at i0 (i1 = i0 + 4 then). Split, a warp's load instruction covers
-// one contiguous span (512 B of fp32, 256 B of 16-bit values) instead of every other 16 B
-// of a twice as long span.
-template <bool kSplit, typename T>
+// The Adam kernels' 8 values of a thread as two runs of 4 (split access): elements
+// i0..i0+3 and i1..i1+3, i1 half a block step after i0, so that a warp's load instruction
+// covers one contiguous span (512 B of fp32, 256 B of 16-bit values).
+template <typename T>
 __device__ __forceinline__ void load8x(const T* p, int64_t i0, int64_t i1, float (&r)[kVec]) {
-  if constexpr (!kSplit) {
-    load8(p + i0, r);
-  } else if constexpr (sizeof(T) == 4) {
-    const float4 a = vload(reinterpret_cast<const float4*>(p + i0));
-    const float4 b = vload(reinterpret_cast<const float4*>(p + i1));
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p + i0);
+    const float4 b = *reinterpret_cast<const float4*>(p + i1);
     r[0] = a.x; r[1] = a.y; r[2] = a.z; r[3] = a.w;
     r[4] = b.x; r[5] = b.y; r[6] = b.z; r[7] = b.w;
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
-    const uint2 a = vload(reinterpret_cast<const uint2*>(p + i0));
-    const uint2 b = vload(reinterpret_cast<const uint2*>(p + i1));
+    const uint2 a = *reinterpret_cast<const uint2*>(p + i0);
+    const uint2 b = *reinterpret_cast<const uint2*>(p + i1);
     const T* ea = reinterpret_cast<const T*>(&a);
     const T* eb = reinterpret_cast<const T*>(&b);
 #pragma unroll
@@ -338,13 +303,11 @@ __device__ __forceinline__ void load8x(const T* p, int64_t i0, int64_t i1, float
   }
 }
 
-template <bool kSplit, typename T>
+template <typename T>
 __device__ __forceinline__ void store8x(T* p, int64_t i0, int64_t i1, const float (&r)[kVec]) {
-  if constexpr (!kSplit) {
-    store8(p + i0, r);
-  } else if constexpr (sizeof(T) == 4) {
-    vstore(reinterpret_cast<float4*>(p + i0), make_float4(r[0], r[1], r[2], r[3]));
-    vstore(reinterpret_cast<float4*>(p + i1), make_float4(r[4], r[5], r[6], r[7]));
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(p + i0) = make_float4(r[0], r[1], r[2], r[3]);
+    *reinterpret_cast<float4*>(p + i1) = make_float4(r[4], r[5], r[6], r[7]);
   } else {
     static_assert(sizeof(T) == 2, "16-bit element expected");
     uint2 a, b;
@@ -355,38 +318,28 @@ __device__ __forceinline__ void store8x(T* p, int64_t i0, int64_t i1, const floa
       ea[j] = from_float<T>(r[j]);
       eb[j] = from_float<T>(r[4 + j]);
     }
-    vstore(reinterpret_cast<uint2*>(p + i0), a);
-    vstore(reinterpret_cast<uint2*>(p + i1), b);
+    *reinterpret_cast<uint2*>(p + i0) = a;
+    *reinterpret_cast<uint2*>(p + i1) = b;
   }
 }
 
-template <bool kSplit>
 __device__ __forceinline__ void load8x_u16(const uint16_t* p, int64_t i0, int64_t i1,
                                            uint32_t (&r)[kVec]) {
-  if constexpr (!kSplit) {
-    load8_u16(p + i0, r);
-  } else {
-    split8_to_u32(load_split8(p, i0, i1), r);
-  }
+  split8_to_u32(load_split8(p, i0, i1), r);
 }
 
-template <bool kSplit>
 __device__ __forceinline__ void store8x_u16(uint16_t* p, int64_t i0, int64_t i1,
                                             const uint32_t (&r)[kVec]) {
-  if constexpr (!kSplit) {
-    store8_u16(p + i0, r);
-  } else {
-    uint2 a, b;
-    a.x = (r[0] & 0xFFFFu) | (r[1] << 16);
-    a.y = (r[2] & 0xFFFFu) | (r[3] << 16);
-    b.x = (r[4] & 0xFFFFu) | (r[5] << 16);
-    b.y = (r[6] & 0xFFFFu) | (r[7] << 16);
-    vstore(reinterpret_cast<uint2*>(p + i0), a);
-    vstore(reinterpret_cast<uint2*>(p + i1), b);
-  }
+  uint2 a, b;
+  a.x = (r[0] & 0xFFFFu) | (r[1] << 16);
+  a.y = (r[2] & 0xFFFFu) | (r[3] << 16);
+  b.x = (r[4] & 0xFFFFu) | (r[5] << 16);
+  b.y = (r[6] & 0xFFFFu) | (r[7] << 16);
+  *reinterpret_cast<uint2*>(p + i0) = a;
+  *reinterpret_cast<uint2*>(p + i1) = b;
 }
 
-// store8x_u16<true> with explicit 8-byte store instructions (see store8x_wide).
+// store8x_u16 with explicit 8-byte store instructions (see store8x_wide).
 __device__ __forceinline__ void store8x_u16_wide(uint16_t* p, int64_t i0, int64_t i1,
                                                  const uint32_t (&r)[kVec]) {
   stg64(p + i0, make_uint2((r[0] & 0xFFFFu) | (r[1] << 16), (r[2] & 0xFFFFu) | (r[3] << 16)));
@@ -405,21 +358,12 @@ inline OutKind out_kind_of(at::ScalarType t) {
   }
 }
 
-__device__ __forceinline__ void store8_out(OutKind k, void* base, int64_t i, const float (&r)[kVec]) {
-  switch (k) {
-    case OutKind::kFloat: store8(static_cast<float*>(base) + i, r); break;
-    case OutKind::kHalf: store8(static_cast<__half*>(base) + i, r); break;
-    case OutKind::kBFloat16: store8(static_cast<__nv_bfloat16*>(base) + i, r); break;
-    default: break;
-  }
-}
-template <bool kSplit>
 __device__ __forceinline__ void store8x_out(OutKind k, void* base, int64_t i0, int64_t i1,
                                             const float (&r)[kVec]) {
   switch (k) {
-    case OutKind::kFloat: store8x<kSplit>(static_cast<float*>(base), i0, i1, r); break;
-    case OutKind::kHalf: store8x<kSplit>(static_cast<__half*>(base), i0, i1, r); break;
-    case OutKind::kBFloat16: store8x<kSplit>(static_cast<__nv_bfloat16*>(base), i0, i1, r); break;
+    case OutKind::kFloat: store8x(static_cast<float*>(base), i0, i1, r); break;
+    case OutKind::kHalf: store8x(static_cast<__half*>(base), i0, i1, r); break;
+    case OutKind::kBFloat16: store8x(static_cast<__nv_bfloat16*>(base), i0, i1, r); break;
     default: break;
   }
 }
@@ -445,8 +389,7 @@ __device__ __forceinline__ void store1_out(OutKind k, void* base, int64_t i, flo
 // The kernel.
 
 // __launch_bounds__(512, 1): the Adam kernels use up to ~128 registers, one 512-thread block
-// per SM (16 warps, each thread with 8 x 16-byte loads in flight). A (256, 3) bound (80
-// registers, 24 warps) and L2 prefetching were measured slower (docs/kernels.md).
+// per SM; tighter bounds spilled and were slower (docs/kernels.md).
 template <int DEPTH, class Op>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     multi_tensor_kernel(const __grid_constant__ TensorListMeta<DEPTH> meta, int64_t chunk, Op op) {
@@ -482,34 +425,34 @@ __device__ __forceinline__ void for_chunk(bool aligned, int64_t begin, int64_t e
   }
 }
 
-// for_chunk for kernels with both access patterns (launch_config().split_access):
-//   vec(tag, i0, i1): the 8 elements i0..i0+3, i1..i1+3; tag is std::true_type when split
-//                     (i1 = i0 + half a block step), std::false_type when i1 = i0 + 4.
-// Split, only whole block steps are vectorized; the chunk's last partial step (tensor ends
-// only: chunks are whole steps) takes the scalar path.
+// The Adam kernels' walk of a chunk with split access (load8x): vec(i0, i1) for the 8
+// elements i0..i0+3, i1..i1+3 (i1 = i0 + half a block step). Only whole block steps are
+// vectorized; the chunk's last partial step (tensor ends only: chunks are whole steps)
+// takes the scalar path, and so do misaligned tensors (for_chunk with aligned false: its
+// vector path, 8 in a row, is never taken; written so, the kernels compile to the same
+// SASS as when the access pattern was a run-time choice).
 template <class Vec, class Scalar>
-__device__ __forceinline__ void for_chunk_x(bool aligned, bool split, int64_t begin,
-                                            int64_t end, Vec&& vec, Scalar&& scalar) {
-  if (aligned && split) {
+__device__ __forceinline__ void for_chunk_split(bool aligned, int64_t begin, int64_t end,
+                                                Vec&& vec, Scalar&& scalar) {
+  if (aligned) {
     const int64_t step = (int64_t)blockDim.x * kVec;
     const int64_t half = step / 2;
     int64_t base = begin;
     for (; base + step <= end; base += step) {
       const int64_t i0 = base + 4 * (int64_t)threadIdx.x;
-      vec(std::true_type{}, i0, i0 + half);
+      vec(i0, i0 + half);
     }
     if (base < end) scalar(base, end);
   } else {
-    for_chunk(
-        aligned, begin, end, [&](int64_t i) { vec(std::false_type{}, i, i + 4); }, scalar);
+    for_chunk(aligned, begin, end, [&](int64_t i) { vec(i, i + 4); }, scalar);
   }
 }
 
-// The split path of for_chunk_x with the next block step's loads issued before this
-// step's math and stores (double buffering in registers), so that a warp keeps loads in
+// for_chunk_split with the next block step's loads issued before this step's math and
+// stores (double buffering in registers, kLoadsAhead), so that a warp keeps loads in
 // flight while it computes: load(i0, i1) returns one step's raw words, body(row, i0, i1)
 // converts, updates and stores them. Only for aligned tensors; the chunk's last partial
-// step takes the scalar path as in for_chunk_x.
+// step takes the scalar path as in for_chunk_split.
 template <class Load, class Body, class Scalar>
 __device__ __forceinline__ void for_chunk_prefetch(int64_t begin, int64_t end, Load&& load,
                                                    Body&& body, Scalar&& scalar) {
@@ -552,33 +495,33 @@ inline int device_sm_count() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
+// Resident blocks per SM of this kernel at kLaunchThreads (the occupancy calculator).
+// Cached per instantiation (and thus computed before any graph capture that follows a
+// warm-up call). Single-device assumption: same SM type everywhere.
 template <int DEPTH, class Op>
-int blocks_per_sm_for(int threads) {
-  const LaunchConfig& cfg = launch_config();
-  if (cfg.blocks_per_sm > 0) return cfg.blocks_per_sm;
-  // Cached per instantiation and block size (and thus computed before any graph capture
-  // that follows a warm-up call). Single-device assumption: same SM type everywhere.
-  static int cache[kMaxThreads / 32 + 1] = {};
-  int& n = cache[threads / 32];
+int blocks_per_sm() {
+  static int n = 0;
   if (n == 0) {
     int k = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &k, multi_tensor_kernel<DEPTH, Op>, threads, 0));
+        &k, multi_tensor_kernel<DEPTH, Op>, kLaunchThreads, 0));
     n = k > 0 ? k : 1;
   }
   return n;
 }
 
-// Cut the (non-empty) tensors into launches of at most kMaxT tensors. `persistent`: at most
-// SMs x resident blocks per launch, else one block per chunk.
+// The grid of a persistent launch (the L2 norm): SMs x resident blocks.
 template <int DEPTH, class Op>
+int64_t persistent_grid() {
+  return (int64_t)device_sm_count() * blocks_per_sm<DEPTH, Op>();
+}
+
+// Cut the (non-empty) tensors into launches of at most kMaxT tensors, each of at most
+// `max_grid` blocks (default: one block per chunk).
+template <int DEPTH>
 std::vector<LaunchPlan> plan_launches(const std::vector<int64_t>& numel, int64_t chunk,
-                                      bool persistent = true) {
+                                      int64_t max_grid = std::numeric_limits<int>::max()) {
   constexpr int kMaxT = TensorListMeta<DEPTH>::kMaxT;
-  const int threads = launch_config().threads;
-  const int64_t max_grid =
-      persistent ? (int64_t)device_sm_count() * blocks_per_sm_for<DEPTH, Op>(threads)
-                 : std::numeric_limits<int>::max();
   std::vector<LaunchPlan> plans;
   const int n = static_cast<int>(numel.size());
   for (int first = 0; first < n; first += kMaxT) {
@@ -596,7 +539,6 @@ template <int DEPTH, class Op, class Prepare>
 void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
                     const std::vector<int64_t>& numel, int64_t chunk,
                     const std::vector<LaunchPlan>& plans, Op op, Prepare&& prepare) {
-  const int threads = launch_config().threads;
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (size_t li = 0; li < plans.size(); ++li) {
     const LaunchPlan& pl = plans[li];
@@ -611,63 +553,24 @@ void launch_planned(const std::vector<std::array<void*, DEPTH>>& ptrs,
     meta.chunk_begin[pl.count] = acc;
     meta.ntensors = pl.count;
     prepare(op, static_cast<int>(li), pl);
-    multi_tensor_kernel<DEPTH, Op><<<pl.grid, threads, 0, stream>>>(meta, chunk, op);
+    multi_tensor_kernel<DEPTH, Op><<<pl.grid, kLaunchThreads, 0, stream>>>(meta, chunk, op);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
-// The longest block's share of a launch series with chunk size `chunk`, in elements:
-// sum over launches of ceil(chunks / grid) * chunk (the persistent grid's last round).
-template <int DEPTH, class Op>
-int64_t longest_block_elems(const std::vector<int64_t>& numel, int64_t chunk) {
-  int64_t elems = 0;
-  for (const LaunchPlan& pl : plan_launches<DEPTH, Op>(numel, chunk)) {
-    elems += (pl.chunks + pl.grid - 1) / pl.grid * chunk;
-  }
-  return elems;
-}
-
-// Elementwise launches only (their results do not depend on the chunking): among the
-// multiples of `step` from chunk / 2 to 2 x chunk, the chunk size whose longest block does
-// the least work. E.g. 4 x 16M elements on 132 blocks: chunk 16384 gives 4096 chunks, 32
-// rounds of which the last keeps 4 blocks busy (3.1% over an even split); 20480 gives
-// 3280 chunks in 25 rounds (0.7% over). Ties keep the configured chunk, then the larger.
-template <int DEPTH, class Op>
-int64_t balanced_chunk(const std::vector<int64_t>& numel, int64_t chunk, int64_t step) {
-  if (!launch_config().balance_chunks || numel.empty()) return chunk;
-  int64_t best = chunk;
-  int64_t best_elems = longest_block_elems<DEPTH, Op>(numel, chunk);
-  const int64_t lo = std::max<int64_t>(step, chunk / 2 / step * step);
-  for (int64_t c = 2 * chunk / step * step; c >= lo; c -= step) {
-    if (c == chunk) continue;
-    const int64_t e = longest_block_elems<DEPTH, Op>(numel, c);
-    if (e < best_elems) {
-      best = c;
-      best_elems = e;
-    }
-  }
-  return best;
-}
-
-// Launch an elementwise `op` (chunking does not change its results) over the tensors.
-// `step` is the block's vector step in elements (chunk sizes stay multiples of it).
-// One block per chunk unless launch_config().persistent (then balanced chunks).
+// Launch an elementwise `op` over the tensors, one block per chunk.
 template <int DEPTH, class Op>
 void launch_multi_tensor(const std::vector<std::array<void*, DEPTH>>& ptrs,
-                         const std::vector<int64_t>& numel, int64_t chunk, Op op,
-                         int64_t step = (int64_t)launch_config().threads * kVec) {
-  const bool persistent = launch_config().persistent;
-  if (persistent) chunk = balanced_chunk<DEPTH, Op>(numel, chunk, step);
-  auto plans = plan_launches<DEPTH, Op>(numel, chunk, persistent);
-  launch_planned<DEPTH>(ptrs, numel, chunk, plans, op, [](Op&, int, const LaunchPlan&) {});
+                         const std::vector<int64_t>& numel, int64_t chunk, Op op) {
+  launch_planned<DEPTH>(ptrs, numel, chunk, plan_launches<DEPTH>(numel, chunk), op,
+                        [](Op&, int, const LaunchPlan&) {});
 }
 
 // Chunk size in elements, rounded to whole V-wide steps of a block (so that chunk starts
 // keep 16-byte alignment and every vector step of a chunk is full).
-inline int64_t chunk_elems(int64_t scale = 1, int V = kVec) {
-  const LaunchConfig& cfg = launch_config();
-  const int64_t step = (int64_t)cfg.threads * V;
-  const int64_t want = cfg.chunk_elems * scale;
+constexpr int64_t chunk_elems(int64_t scale = 1, int V = kVec) {
+  const int64_t step = (int64_t)kLaunchThreads * V;
+  const int64_t want = kChunkElems * scale;
   return std::max<int64_t>(step, (want + step - 1) / step * step);
 }
 

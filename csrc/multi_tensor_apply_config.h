@@ -1,32 +1,37 @@
-// Launch knobs of the multi-tensor kernels, shared by host-only and CUDA translation units.
+// Launch constants of the multi-tensor kernels, shared by host-only and CUDA translation
+// units. Values and the measurements behind them: docs/kernels.md. A normal build takes
+// the defaults; bench/sweep_launch.py builds variants with -DMPZERO_LAUNCH_THREADS=...,
+// -DMPZERO_CHUNK_ELEMS=... and -DMPZERO_NO_PREFETCH to time them against it.
 #pragma once
 #include <cstdint>
 
+#ifndef MPZERO_LAUNCH_THREADS
+#define MPZERO_LAUNCH_THREADS 512
+#endif
+#ifndef MPZERO_CHUNK_ELEMS
+#define MPZERO_CHUNK_ELEMS 8192
+#endif
+
 namespace mpzero {
 
-struct LaunchConfig {
-  int threads = 512;            // threads per block (<= kMaxThreads)
-  int blocks_per_sm = 0;        // 0: as many as the occupancy calculator allows
-  int64_t chunk_elems = 8192;   // elements per chunk (rounded to whole block steps); 8192
-                                // with the loads ahead was the fastest of the H200 sweep
-                                // (docs/kernels.md)
-  bool balance_chunks = true;   // elementwise launches on a persistent grid: pick the
-                                // chunk near chunk_elems that spreads the work most
-                                // evenly over the grid
-  bool split_access = true;     // Adam kernels: a thread's 8 elements are two runs of 4,
-                                // half a block step apart (each load instruction of a
-                                // warp covers one contiguous span); false: 8 in a row
-                                // (the loads ahead need split access; docs/kernels.md)
-  bool prefetch = true;         // Adam kernels with split access: the next block step's
-                                // loads issued before this step's math and stores (1-4%
-                                // faster on an H200, noise on an H100)
-  bool persistent = false;      // elementwise launches: a persistent grid (SMs x resident
-                                // blocks walking the chunks) instead of one block per
-                                // chunk (4-5% slower on an H100, docs/kernels.md)
-};
-LaunchConfig& launch_config();
-
+// Threads per block of every multi-tensor launch: one 512-thread block per SM holds the
+// Adam kernels' registers.
+constexpr int kLaunchThreads = MPZERO_LAUNCH_THREADS;
+// The kernel's launch bounds (__launch_bounds__(kMaxThreads, 1)), whatever the threads.
 constexpr int kMaxThreads = 512;
+// Elements per chunk (rounded up to whole block steps): one block per chunk.
+constexpr int64_t kChunkElems = MPZERO_CHUNK_ELEMS;
+// Adam kernels: the next block step's loads issued before this step's math and stores.
+#ifdef MPZERO_NO_PREFETCH
+constexpr bool kLoadsAhead = false;
+#else
+constexpr bool kLoadsAhead = true;
+#endif
 constexpr int kVec = 8;  // elements per thread per step
+
+static_assert(kLaunchThreads > 0 && kLaunchThreads % 32 == 0 &&
+                  kLaunchThreads <= kMaxThreads,
+              "MPZERO_LAUNCH_THREADS must be a multiple of 32 and at most 512");
+static_assert(kChunkElems > 0, "MPZERO_CHUNK_ELEMS must be positive");
 
 }  // namespace mpzero

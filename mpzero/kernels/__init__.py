@@ -182,7 +182,7 @@ def adam_plan(kernel, remainders: bool, lists, slots, dynamic_like):
     filled, every call, from slices of the ``dynamic`` tensors: ``slots`` are
     ``(list position, entry, index into dynamic, element offset)`` and
     ``dynamic_like`` gives the per-step tensors' dtype, device and size."""
-    if _cuda is None or not _cuda.adam_plan_available():
+    if _cuda is None:
         return None
     if kernel not in (_cuda.adam, _cuda.adam_remainders):
         return None
@@ -240,9 +240,8 @@ _CE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
     """The CUDA cross-entropy kernels can take these logits (CUDA, fp32/fp16/bf16, the
-    extension built with them)."""
-    return (_cuda is not None and logits.is_cuda and logits.dtype in _CE_DTYPES
-            and _cuda.cross_entropy_available())
+    extension built)."""
+    return _cuda is not None and logits.is_cuda and logits.dtype in _CE_DTYPES
 
 
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -271,7 +270,7 @@ def cross_entropy_backward(logits: torch.Tensor, target: torch.Tensor, lse: torc
 def _bias_gelu_on_cuda(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor) -> bool:
     """The CUDA bias-GELU kernel takes these: CUDA, one dtype of fp32/fp16/bf16, rows
     contiguous with a multiple of 8 columns, 16-byte aligned."""
-    if _cuda is None or not (x.is_cuda and _cuda.bias_gelu_available()):
+    if _cuda is None or not x.is_cuda:
         return False
     if x.dtype not in _CE_DTYPES or not (x.dtype == bias.dtype == dy.dtype):
         return False
@@ -297,7 +296,7 @@ def _heads_grad_on_cuda(grads: Sequence[torch.Tensor]) -> bool:
     """The CUDA heads-gradient kernel takes these: 1-4 CUDA tensors [B, H, T, D] of one
     shape and dtype (fp32/fp16/bf16), D a multiple of 8 and contiguous, the other strides
     multiples of 8 elements, 16-byte aligned."""
-    if _cuda is None or not grads or len(grads) > 4 or not _cuda.heads_grad_available():
+    if _cuda is None or not grads or len(grads) > 4:
         return False
     g0 = grads[0]
     if not g0.is_cuda or g0.dim() != 4 or g0.dtype not in _CE_DTYPES or g0.shape[3] % 8:
@@ -330,7 +329,7 @@ def _layer_norm_on_cuda(rows: Sequence[torch.Tensor | None],
     """The CUDA LayerNorm kernels take these: ``rows`` (``[R, H]``) and ``vectors``
     (``[H]``) CUDA tensors of one dtype (fp32/fp16/bf16) on one device, contiguous and
     16-byte aligned, H a multiple of 8 up to 8192 (``None`` entries are absent ones)."""
-    if _cuda is None or not _cuda.layer_norm_available():
+    if _cuda is None:
         return False
     x = rows[0]
     if not x.is_cuda or x.dim() != 2 or x.dtype not in _CE_DTYPES:
@@ -386,10 +385,10 @@ _GEMM_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def gemm_gelu_available(*tensors: torch.Tensor) -> bool:
-    """The cuBLASLt GELU-epilogue GEMMs take these tensors: the extension built with them,
-    all CUDA tensors of one dtype, fp16 or bf16, contiguous, 16-byte aligned, and every
-    last dimension a multiple of 8. Without tensors: whether the extension has them."""
-    if _cuda is None or not _cuda.gemm_gelu_available():
+    """The cuBLASLt GELU-epilogue GEMMs take these tensors: the extension built, all CUDA
+    tensors of one dtype, fp16 or bf16, contiguous, 16-byte aligned, and every last
+    dimension a multiple of 8. Without tensors: whether the extension is built."""
+    if _cuda is None:
         return False
     if not tensors:
         return True

@@ -1,10 +1,10 @@
 """Thin wrappers around ``mpzero._C`` (``csrc/``). Importing this module fails with
 ImportError when the extension is not built; :mod:`mpzero.kernels` then uses the
-reference implementations."""
+reference implementations. The launch configuration of the multi-tensor kernels is
+compiled into the extension (``csrc/multi_tensor_apply_config.h``, docs/kernels.md)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -18,66 +18,17 @@ __all__ = [
     "l2norm",
     "multi_copy",
     "multi_add",
-    "set_launch_config",
-    "get_launch_config",
-    "set_chunk_balancing",
-    "chunk_balancing",
-    "set_split_access",
-    "split_access",
-    "set_prefetch",
-    "prefetch",
-    "set_persistent_grid",
-    "persistent_grid",
     "cross_entropy_stats",
     "cross_entropy_backward",
     "bias_gelu_backward",
-    "heads_grad_available",
     "heads_grad",
-    "layer_norm_available",
     "layer_norm_forward",
     "layer_norm_backward",
-    "gemm_gelu_available",
     "gemm_bias_gelu",
     "gemm_dgelu",
 ]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _env_value(var: str, allowed: str, parse):
-    """``parse`` of the environment variable ``var``, or None when it is unset or empty; a
-    value ``parse`` rejects fails with the variable's name and ``allowed``."""
-    raw = os.environ.get(var, "")
-    if not raw:
-        return None
-    value = parse(raw)
-    if value is None:
-        raise ValueError(f"{var}={raw!r}: expected {allowed}")
-    return value
-
-
-def _flag(raw: str) -> bool | None:
-    return {"0": False, "1": True}.get(raw)
-
-
-def _count(raw: str) -> int | None:
-    return int(raw) if raw.isdigit() and int(raw) > 0 else None
-
-
-# Launch knobs for a whole run (benchmarks compare them without code changes):
-# MPZERO_SPLIT_ACCESS=0|1 (set_split_access), MPZERO_PERSISTENT_GRID=0|1
-# (set_persistent_grid), MPZERO_PREFETCH=0|1 (set_prefetch), and MPZERO_LAUNCH_THREADS /
-# MPZERO_CHUNK_ELEMS (set_launch_config's threads per block and chunk size).
-for _var, _setter in (("MPZERO_SPLIT_ACCESS", _C.set_split_access),
-                      ("MPZERO_PERSISTENT_GRID", _C.set_persistent_grid),
-                      ("MPZERO_PREFETCH", _C.set_prefetch)):
-    _on = _env_value(_var, "0 or 1", _flag)
-    if _on is not None:
-        _setter(_on)
-_threads = _env_value("MPZERO_LAUNCH_THREADS", "a positive integer", _count)
-_chunk = _env_value("MPZERO_CHUNK_ELEMS", "a positive integer", _count)
-if _threads or _chunk:
-    _C.set_launch_config(_threads or 0, -1, _chunk or 0)
 
 
 def _floats(lst: Sequence[torch.Tensor] | None) -> bool:
@@ -117,9 +68,8 @@ def multi_copy_supported(srcs, dsts) -> bool:
 
 
 def multi_add_supported(srcs, dsts) -> bool:
-    """Pairs of one dtype combination: fp32/fp16/bf16 into fp32, or bf16/fp16 into itself,
-    and an extension built with the kernel."""
-    if not srcs or not hasattr(_C, "multi_add"):
+    """Pairs of one dtype combination: fp32/fp16/bf16 into fp32, or bf16/fp16 into itself."""
+    if not srcs:
         return False
     st, dt = srcs[0].dtype, dsts[0].dtype
     ok = (dt == torch.float32 and st in _FLOATS) or (st == dt and st in _FLOATS)
@@ -189,11 +139,6 @@ class AdamPlan:
         self._plan.run(dynamic, *_hyper(self._device, **hyper))
 
 
-def adam_plan_available() -> bool:
-    """The built extension has ``AdamPlan`` (an older build of ``_C`` may not)."""
-    return hasattr(_C, "AdamPlan")
-
-
 def l2norm(tensors, *, noop_flag=None) -> torch.Tensor:
     return _C.l2norm(list(tensors), noop_flag)
 
@@ -204,11 +149,6 @@ def multi_copy(srcs, dsts, *, noop_flag=None) -> None:
 
 def multi_add(srcs, dsts, *, noop_flag=None) -> None:
     _C.multi_add(list(srcs), list(dsts), noop_flag)
-
-
-def cross_entropy_available() -> bool:
-    """The built extension has the fused cross-entropy kernels (an older build may not)."""
-    return hasattr(_C, "cross_entropy_stats")
 
 
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -223,21 +163,11 @@ def cross_entropy_backward(logits, target, lse, grad_loss, on_target: float,
                               float(off_target), out)
 
 
-def bias_gelu_available() -> bool:
-    """The built extension has the bias-GELU backward kernel (an older build may not)."""
-    return hasattr(_C, "bias_gelu_backward")
-
-
 def bias_gelu_backward(x: torch.Tensor, bias: torch.Tensor, dy: torch.Tensor,
                        tanh_approx: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dx, dbias = torch.empty_like(x), torch.empty_like(bias)
     _C.bias_gelu_backward(x, bias, dy, dx, dbias, bool(tanh_approx))
     return dx, dbias
-
-
-def heads_grad_available() -> bool:
-    """The built extension has the heads-gradient kernel (an older build may not)."""
-    return hasattr(_C, "heads_grad")
 
 
 def heads_grad(grads: Sequence[torch.Tensor],
@@ -247,11 +177,6 @@ def heads_grad(grads: Sequence[torch.Tensor],
     dbias = dy.new_empty(dy.shape[1]) if with_bias else None
     _C.heads_grad(list(grads), dy, dbias)
     return dy, dbias
-
-
-def layer_norm_available() -> bool:
-    """The built extension has the LayerNorm kernels (an older build may not)."""
-    return hasattr(_C, "layer_norm_forward")
 
 
 def layer_norm_forward(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
@@ -275,71 +200,6 @@ def layer_norm_backward(g_out: torch.Tensor, g_s: torch.Tensor | None, s: torch.
     db = torch.empty_like(weight) if with_bias else None
     _C.layer_norm_backward(g_out, g_s, s, mean, rstd, weight, ds, dw, db)
     return ds, dw, db
-
-
-def set_launch_config(threads: int = 0, blocks_per_sm: int = -1, chunk_elems: int = 0) -> None:
-    """Tuning knob for benchmarks and tests. ``threads``/``chunk_elems``: 0 keeps the current
-    value; ``blocks_per_sm`` (persistent grids only: the L2 norm, and the elementwise
-    kernels after ``set_persistent_grid(True)``): -1 keeps it, 0 means as many as the
-    occupancy calculator allows. Defaults (512, 0, 8192), with the loads ahead
-    (``set_prefetch``), were the fastest measured on an H200 (docs/kernels.md)."""
-    _C.set_launch_config(int(threads), int(blocks_per_sm), int(chunk_elems))
-
-
-def get_launch_config() -> tuple[int, int, int]:
-    return tuple(_C.get_launch_config())
-
-
-def set_chunk_balancing(on: bool) -> None:
-    """Elementwise kernels (Adam, copy) on a persistent grid (``set_persistent_grid(True)``):
-    choose, near the configured chunk size, the chunk that spreads the work most evenly
-    over the grid (default on; with one block per chunk there is nothing to balance).
-    Results do not depend on it; only the time does."""
-    _C.set_chunk_balancing(bool(on))
-
-
-def chunk_balancing() -> bool:
-    return bool(_C.chunk_balancing())
-
-
-def set_split_access(on: bool) -> None:
-    """Adam kernels: each thread's 8 elements per step as two runs of 4, half a block step
-    apart, so each load instruction of a warp reads one contiguous span (the default; off:
-    8 in a row, 16-byte loads). Results do not depend on it; only the time does."""
-    _C.set_split_access(bool(on))
-
-
-def split_access() -> bool:
-    return bool(_C.split_access())
-
-
-def set_prefetch(on: bool) -> None:
-    """Adam kernels with split access: each thread issues the next block step's loads
-    before this step's math and stores (two steps' values in registers), so its loads stay
-    in flight while it computes (the default: 1-4% faster on an H200, the same on an H100).
-    Results do not depend on it; only the time does."""
-    _C.set_prefetch(bool(on))
-
-
-def prefetch() -> bool:
-    return bool(_C.prefetch())
-
-
-def set_persistent_grid(on: bool) -> None:
-    """Elementwise kernels (Adam, casts and copies): a persistent grid (SMs x resident
-    blocks, each walking many chunks) instead of one block per chunk (the default, 4-5%
-    faster on an H100: docs/kernels.md). The L2 norm always uses a persistent grid.
-    Results do not depend on it; only the time does."""
-    _C.set_persistent_grid(bool(on))
-
-
-def persistent_grid() -> bool:
-    return bool(_C.persistent_grid())
-
-
-def gemm_gelu_available() -> bool:
-    """The built extension has the cuBLASLt GELU-epilogue GEMMs (an older build may not)."""
-    return hasattr(_C, "gemm_bias_gelu")
 
 
 def gemm_bias_gelu(x, weight, bias):

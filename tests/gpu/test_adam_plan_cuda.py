@@ -25,8 +25,6 @@ def _cuda_kernels():
         pytest.skip("mpzero._C not built")
     from mpzero.kernels import cuda as kc
 
-    if not kc.adam_plan_available():
-        pytest.skip("this build of mpzero._C has no AdamPlan")
     return kernels, kc
 
 
