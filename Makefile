@@ -38,7 +38,8 @@ PYTEST_SHOW := -v --durations=25 --durations-min=2
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_SHOW) --timeout 600 $(PYTEST_ARGS)
 
-# Everything but @pytest.mark.slow (world-8 runs, multi-rank torchrun jobs, SLURM).
+# Everything but @pytest.mark.slow (world-8 runs, multi-rank torchrun jobs, SLURM, the
+# full parameter grids whose representatives stay quick, baselines, benchmark smoke runs).
 test-quick: $(STAMP)
 	$(PY) -m pytest $(PYTEST_SHOW) --timeout 300 -m "not slow" $(PYTEST_ARGS)
 
