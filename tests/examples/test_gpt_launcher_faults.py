@@ -151,7 +151,9 @@ def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path,
     # The save resumes (same command, one more iteration).
     relog = tmp_path / "resume.log"
     proc = start_sbatch_torchrun(["--data-dir", str(data_dir), "--train-iters", str(it + 1),
-                                  "--load", str(ckpt)], relog)
+                                  "--load", str(ckpt),
+                                  # the saved decay length (100000) continues
+                                  "--use-checkpoint-opt-param-scheduler"], relog)
     try:
         code = finish(proc, JOB)
     finally:
