@@ -32,12 +32,16 @@ demo: $(STAMP)
 	$(PY) examples/gpt/plot_log.py $(DEMO_OUT)/log.jsonl --output $(DEMO_OUT)/curves.png \
 	  --title "tiny GPT, 2 CPU ranks, ZeRO-2"
 
-test: $(STAMP)
-	$(PY) -m pytest -q --timeout 600 $(PYTEST_ARGS)
+# One line per test as it starts and ends (-v), the slowest at the end (--durations).
+PYTEST_SHOW := -v --durations=25 --durations-min=2
 
-# Everything but @pytest.mark.slow (world-8 runs, multi-rank torchrun jobs, SLURM).
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_SHOW) --timeout 600 $(PYTEST_ARGS)
+
+# Everything but @pytest.mark.slow (world-8 runs, multi-rank torchrun jobs, SLURM, the
+# full parameter grids whose representatives stay quick, baselines, benchmark smoke runs).
 test-quick: $(STAMP)
-	$(PY) -m pytest -q --timeout 300 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_SHOW) --timeout 300 -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -13,7 +13,7 @@
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
 #   ckpt:      1.3B GPT (24 x 2048, seq 2048): save after 2 iterations and resume, per
 #              --ckpt-format; the example's own "saved/loaded checkpoint ... in X s" lines + size
-#   recompute: examples/gpt/bench_options.py at the 1.3B shape, micro-batch 8 (peak memory and
+#   recompute: bench/bench_options.py at the 1.3B shape, micro-batch 8 (peak memory and
 #              time of no recompute / selective / full)
 #   profile:   bench/profile_gpt.py, the 1.3B dfa setup compiled (blocks, then the whole model):
 #              device time per kernel class
@@ -88,7 +88,7 @@ for s in $stages; do
     step) stage step python3 bench/bench_step.py --json "$OUT/bench_step.json" ;;
     ckpt) stage ckpt-torch_dist ckpt torch_dist
           stage ckpt-torch ckpt torch ;;
-    recompute) stage recompute python3 examples/gpt/bench_options.py --micro-batch 8 \
+    recompute) stage recompute python3 bench/bench_options.py --micro-batch 8 \
                  --warmup 2 --iters 5 --variants default selective full ;;
     profile) stage profile-block python3 bench/profile_gpt.py --setup dfa --compile \
                --compile-mode block --warmup 3 --profile-iters 3

@@ -13,6 +13,7 @@ from mpzero.optimizers import DistributedFusedAdam
 from dfa_common import ATOL, RTOL, batches, loss_fn, make_model, train_compare
 
 WORLDS = [(1, "flat"), (2, "flat"), (4, "flat"), (4, "2x2")]
+SLOW_WORLDS = [(1, "flat"), (4, "flat")]
 
 
 def _many_configs(grid):
@@ -27,7 +28,11 @@ def _many_configs(grid):
     return out
 
 
-@pytest.mark.parametrize("world_size,grid", WORLDS, ids=[f"{w}-{g}" for w, g in WORLDS])
+# The 2-rank and the 2 x 2 grids in the quick tier; the single rank and the flat 4 (the
+# same code paths with other shard counts) in `make test`.
+@pytest.mark.parametrize("world_size,grid", [
+    pytest.param(w, g, id=f"{w}-{g}", marks=[pytest.mark.slow] if (w, g) in SLOW_WORLDS else [])
+    for w, g in WORLDS])
 def test_matches_ddp_adamw(world, world_size, grid):
     results = world(world_size, _many_configs, grid, timeout=300)
     for r in results:

@@ -107,7 +107,12 @@ def _accumulate_late_grads(grid, case, use_no_sync, cap, order):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size,grid", GRIDS)
+# 32 cases x 6 bucket layouts and orders: the 2-rank and the 2 x 2 grids in the quick tier
+# (together they hold what the others do: sharding, redundancy, rank-dependent gaps), the
+# single rank and the flat 4 in `make test`.
+@pytest.mark.parametrize("world_size,grid", [
+    pytest.param(1, "flat", marks=pytest.mark.slow), (2, "flat"),
+    pytest.param(4, "flat", marks=pytest.mark.slow), (4, "2x2")])
 @pytest.mark.parametrize("case", ["head_first", "fc1_first", "rank_dependent", "middle_only"])
 @pytest.mark.parametrize("use_no_sync", [False, True])
 def test_accumulation_param_without_grad_in_first_microbatch(world, world_size, grid, case,
@@ -608,7 +613,8 @@ def _wide_int_sync(grid, case):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["fp32_int64", "bf16_int32", "bf16_int32_scaled",
                                   "fp32_int64_scaled"])
-@pytest.mark.parametrize("world_size,grid", [(2, "flat"), (4, "2x2")])
+@pytest.mark.parametrize("world_size,grid", [pytest.param(2, "flat", marks=pytest.mark.slow),
+                                             (4, "2x2")])  # the 2-rank grid: `make test`
 def test_wide_integer_param_sync_is_lossless(world, world_size, grid, case):
     assert all(world(world_size, _wide_int_sync, grid, case))
 

@@ -14,8 +14,8 @@
   and the directory, a file-size limit, a read-only file system...).
 
 The flags of one iteration travel in a single small all-reduce over the world.
-Fault injection for tests: ``MPZERO_INJECT_NAN_ITERS=3,4`` makes the loss NaN on
-those iterations (read once, at import).
+(The tests make losses NaN with tests/examples/gpt_nan_injection.py, which wraps this
+example from outside.)
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-_INJECT_NAN = {int(v) for v in os.environ.get("MPZERO_INJECT_NAN_ITERS", "").split(",")
-               if v.strip().isdigit()}
 # torchrun forwards SIGTERM and SIGINT by default and SIGUSR1 when asked to
 # (``--signals-to-handle``, as slurm/pretrain_gpt.sbatch does).
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -82,10 +80,6 @@ class FaultGuard:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-    @staticmethod
-    def inject(loss: torch.Tensor, iteration: int) -> torch.Tensor:
-        return loss * float("nan") if iteration in _INJECT_NAN else loss
 
     def agree(self, iteration: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Collective: True when the step may be applied. Also records (on every rank

@@ -333,8 +333,6 @@ def train_step(model, optimizer, tokens, starts, args, device, autocast, tied=No
         with (contextlib.nullcontext() if sync else optim.no_sync(optimizer)):
             with autocast():
                 loss = model(x, y)
-            if guard is not None:
-                loss = guard.inject(loss, iteration)
             (loss / len(batches)).backward()
         losses.append(loss.detach().float())
     if args.clip_grad > 0:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_gelu  # noqa: E402
 
 
+@pytest.mark.slow  # a benchmark's smoke test: `make test`
 @pytest.mark.timeout(120)
 def test_rows_on_cpu():
     table, diff = bench_gelu.rows(64, 256, 2, device="cpu", backend="aot_eager")

@@ -40,6 +40,9 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
 # torchrun's exit status after it forwarded a signal: it re-raises the signal as an
 # exception once the workers are gone, whatever their own exit status was.
 TORCHRUN_SIGNALLED = 1
+# Seconds a job may take before the test calls it hung (a few seconds when idle): a hang
+# guard, never a verdict on speed.
+JOB = 300
 
 
 def _port() -> int:
@@ -119,7 +122,7 @@ def test_sbatch_torchrun_command_forwards_sigusr1_and_waits_for_a_save():
     assert lead > grace >= 60  # room for a real save, inside the signal's lead
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
 def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path, sig):
     """SIGUSR1 (SLURM pre-emption) or SIGINT (Ctrl-C) to torchrun started with the SLURM
@@ -130,16 +133,16 @@ def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path,
     proc = start_sbatch_torchrun(["--data-dir", str(data_dir), "--train-iters", "100000",
                                   "--save", str(ckpt)], log)
     try:
-        wait_for(log, r"iter +3/\d+ \|", proc, 180)
+        wait_for(log, r"iter +3/\d+ \|", proc, JOB)
         workers = workers_of(proc.pid)
         assert len(workers) == 2, gpt_jobs.descendants(proc.pid)
         proc.send_signal(sig)
-        code = finish(proc, 150)
+        code = finish(proc, JOB)
     finally:
         gpt_jobs.kill_tree(proc)
     text = log.read_text(errors="replace")
     assert code == TORCHRUN_SIGNALLED, (code, text[-4000:])
-    assert gpt_jobs.wait_gone(workers, 10) == [], "a worker outlived torchrun"
+    assert gpt_jobs.wait_gone(workers, 60) == [], "a worker outlived torchrun"
     assert f"(signal {sig.name})" in text, text[-4000:]
     it = int(re.search(r"saved checkpoint iter (\d+) ", text).group(1))
     assert f"exiting at iteration {it} (signal {sig.name})" in text
@@ -153,7 +156,7 @@ def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path,
                                   "--load", str(ckpt), "--use-checkpoint-opt-param-scheduler"],
                                  relog)
     try:
-        code = finish(proc, 150)
+        code = finish(proc, JOB)
     finally:
         gpt_jobs.kill_tree(proc)
     text = relog.read_text(errors="replace")
@@ -171,7 +174,7 @@ exec "$@"
 """
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_sigusr1_to_the_batch_shell_reaches_the_ranks(data_dir, tmp_path):
     """``--signal=B:USR1`` signals only the batch shell: the script's trap passes it on
     to srun (here a stand-in that runs the step itself), and the ranks save and exit."""
@@ -190,22 +193,22 @@ def test_sigusr1_to_the_batch_shell_reaches_the_ranks(data_dir, tmp_path):
                                death_signal=gpt_jobs.TORCHRUN_DEATH_SIGNAL, env=env,
                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        wait_for(log, r"iter +3/\d+ \|", batch, 180)
+        wait_for(log, r"iter +3/\d+ \|", batch, JOB)
         pids = gpt_jobs.descendants(batch.pid)
         batch.send_signal(signal.SIGUSR1)
-        code = finish(batch, 150)
+        code = finish(batch, JOB)
     finally:
         gpt_jobs.kill_tree(batch)
     text = log.read_text(errors="replace")
     assert "SIGUSR1: asking every rank to save and exit" in text, text[-4000:]
     assert code == TORCHRUN_SIGNALLED, (code, text[-4000:])  # srun's (torchrun's) status
-    assert gpt_jobs.wait_gone(pids, 10) == []
+    assert gpt_jobs.wait_gone(pids, 60) == []
     it = int(re.search(r"saved checkpoint iter (\d+) ", text).group(1))
     assert f"exiting at iteration {it} (signal SIGUSR1)" in text
     assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
     """SIGSTOP of one worker: the other's next collective (the gradient reduce-scatter
     of the optimizer's group, usually) fails after --dist-timeout, it exits 1, and
@@ -213,7 +216,7 @@ def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
     before torch's default group timeout (30 min on gloo)."""
     # torchrun 2.13 gives the other workers 30 s after one failed (its failure path does
     # not read --shutdown-timeout), and a stopped process cannot act on SIGTERM.
-    timeout, grace = 10, 30
+    timeout = 10
     log = tmp_path / "job.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", "2", str(GPT), *TINY, "--data-dir", str(data_dir),
@@ -222,16 +225,17 @@ def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
         proc = gpt_jobs.popen(cmd, death_signal=gpt_jobs.TORCHRUN_DEATH_SIGNAL,
                               env=_job_env(), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        wait_for(log, r"iter +3/\d+ \|", proc, 180)
+        wait_for(log, r"iter +3/\d+ \|", proc, JOB)
         workers = workers_of(proc.pid)
         rank1 = [p for p in workers
                  if "RANK=1" in Path(f"/proc/{p}/environ").read_text().split("\0")]
         assert len(rank1) == 1, workers
         os.kill(rank1[0], signal.SIGSTOP)
         t0 = time.monotonic()
-        # Expected: ~timeout + grace (40 s). Bounded generously (the machine may be
-        # loaded), and far below the 1800 s a group without the timeout would wait.
-        bound = 4 * timeout + 2 * grace
+        # Expected: ~timeout + that grace (40 s) when idle. The bound only tells "ended by the
+        # timeout" from "waits for torch's default" (1800 s on gloo): wide enough for a
+        # machine loaded many times over, far below the default.
+        bound = 600
         code = finish(proc, bound)
         elapsed = time.monotonic() - t0
     finally:
@@ -240,4 +244,4 @@ def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
     assert code not in (None, 0), (code, elapsed, text[-4000:])
     assert elapsed < bound, elapsed
     assert "rank 0: a collective failed" in text, text[-4000:]
-    assert gpt_jobs.wait_gone(workers, 10) == [], "a worker outlived torchrun"
+    assert gpt_jobs.wait_gone(workers, 60) == [], "a worker outlived torchrun"

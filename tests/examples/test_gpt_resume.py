@@ -32,7 +32,7 @@ import resume  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
          "--seq-length", "8"]
@@ -297,7 +297,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(n: int, args: list[str], timeout: float = 150) -> tuple[list[int], list[str]]:
+def run(n: int, args: list[str], timeout: float = 400) -> tuple[list[int], list[str]]:
     """``n`` ranks of pretrain_gpt.py (torchrun's environment): exit codes and logs."""
     port = str(_port())
     procs = []

@@ -3,9 +3,14 @@
 - 2 ranks, ZeRO over both, gradient accumulation: the loss falls, checkpoints are
   written, and a run interrupted at iteration 15 and resumed from its checkpoint
   logs exactly the losses of the uninterrupted run.
-- TP=2 x DP=2 and DP=4 with a 2 x 2 distributed x redundant optimizer grid (world 4)
-  track a single-rank run of the same seed and global batch within 1e-3 relative
-  at every iteration (so does ``--optimizer adamw``, the non-ZeRO comparison).
+- That run (DP=2), TP=2 x DP=2 and DP=4 with a 2 x 2 distributed x redundant optimizer
+  grid (world 4) track one single-rank run of the same seed and global batch within
+  1e-3 relative at every iteration (so does ``--optimizer adamw``, the non-ZeRO
+  comparison).
+
+Every run trains 30 iterations: enough for the loss to fall by more than 0.5 and for
+the layouts to drift apart if their gradients differed; the single-rank reference is
+trained once for all the comparisons.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from gpt_test_data import prepared_corpus  # noqa: E402
 from plot_log import plot, read_log  # noqa: E402
 
 # Every test here runs real torchrun jobs (2-4 ranks, ~1 min on 2 cores): `make test` only.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "16",
@@ -35,7 +40,14 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--cpu", "--num-threads", "1", "--no-progress"]
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+ITERS = 30
+# A safety net against a hung job, far above a run's minute on 2 loaded cores: the
+# verdicts never depend on how long a run takes.
+JOB_TIMEOUT = 600
+
+
+def torchrun(nproc: int, args: list[str],
+             timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), str(GPT_DIR / "pretrain_gpt.py"), *TINY, *args]
@@ -55,8 +67,8 @@ def data_dir(tmp_path_factory):
 def resume_runs(data_dir, tmp_path_factory):
     """Run A: 30 iterations. Run B: the same, stopped at 15. Run C: B resumed to 30."""
     root = tmp_path_factory.mktemp("gpt-resume")
-    common = ["--data-dir", str(data_dir), "--train-iters", "30", "--eval-interval", "15",
-              "--save-interval", "15"]
+    common = ["--data-dir", str(data_dir), "--train-iters", str(ITERS), "--eval-interval",
+              "15", "--save-interval", "15"]
     torchrun(2, [*common, "--save", str(root / "ckpt_a"), "--log-file", str(root / "a.jsonl")])
     torchrun(2, [*common, "--save", str(root / "ckpt_b"), "--log-file", str(root / "b.jsonl"),
                  "--exit-interval", "15"])
@@ -113,23 +125,39 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in read_log(path)[0]]
 
 
+@pytest.fixture(scope="module")
+def single(data_dir, tmp_path_factory) -> list[float]:
+    """The losses of one rank training the same model on the same global batches."""
+    log = tmp_path_factory.mktemp("gpt-single") / "single.jsonl"
+    torchrun(1, ["--data-dir", str(data_dir), "--train-iters", str(ITERS),
+                 "--eval-interval", "0", "--log-file", str(log)])
+    ref = _losses(log)
+    assert len(ref) == ITERS
+    assert sum(ref[-5:]) < sum(ref[:5]) - 2.5  # it is learning, not constant
+    return ref
+
+
+def _assert_tracks(name: str, got: list[float], ref: list[float]) -> None:
+    assert len(got) == len(ref) == ITERS, name
+    worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
+    assert worst < 1e-3, (name, worst)
+
+
+def test_data_parallel_run_tracks_single_rank(resume_runs, single):
+    """Run A of the fixture above (DP=2, ZeRO over both ranks, 2 micro-batches each)."""
+    root, _ = resume_runs
+    _assert_tracks("dp2", _losses(root / "a.jsonl"), single)
+
+
 @pytest.mark.parametrize("layout", [
     ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"]),
     ("dp4-dist2x2", 4, ["--distributed-optimizer-size", "2", "--overlap-param-sync"]),
     # The comparison optimizer (torch AdamW + gradient all-reduce) agrees with ZeRO too.
     ("adamw-tp2", 2, ["--tensor-model-parallel-size", "2", "--optimizer", "adamw"]),
 ], ids=lambda layout: layout[0])
-def test_parallel_layout_tracks_single_rank(layout, data_dir, tmp_path_factory):
+def test_parallel_layout_tracks_single_rank(layout, data_dir, single, tmp_path):
     name, nproc, extra = layout
-    root = tmp_path_factory.getbasetemp() / "gpt-layouts"
-    root.mkdir(exist_ok=True)
-    common = ["--data-dir", str(data_dir), "--train-iters", "50", "--eval-interval", "0"]
-    single = root / "single.jsonl"
-    if not single.exists():
-        torchrun(1, [*common, "--log-file", str(single)])
-    torchrun(nproc, [*common, *extra, "--log-file", str(root / f"{name}.jsonl")])
-    ref, got = _losses(single), _losses(root / f"{name}.jsonl")
-    assert len(ref) == len(got) == 50
-    worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
-    assert worst < 1e-3, (name, worst)
-    assert sum(ref[-5:]) < sum(ref[:5]) - 2.5  # and it is learning, not constant
+    log = tmp_path / f"{name}.jsonl"
+    torchrun(nproc, ["--data-dir", str(data_dir), "--train-iters", str(ITERS),
+                     "--eval-interval", "0", *extra, "--log-file", str(log)])
+    _assert_tracks(name, _losses(log), single)

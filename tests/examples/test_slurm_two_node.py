@@ -451,7 +451,9 @@ def test_sbatch_preemption_saves_and_resumes(cluster):
         assert not left, (ns, left)
     # A second job resumes from the pre-emption's checkpoint and completes.
     job_id = _submit(cluster, work, ["--train-iters", str(it + 2), "--data-dir",
-                                     str(data_dir), "--save", str(ckpt), "--load", str(ckpt)],
+                                     str(data_dir), "--save", str(ckpt), "--load", str(ckpt),
+                                     # the saved decay length (100000) continues
+                                     "--use-checkpoint-opt-param-scheduler"],
                      "29536")
     info = cluster.wait_job(job_id, timeout=300)
     output = _job_output(work, job_id)

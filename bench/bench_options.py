@@ -1,6 +1,6 @@
 """Time and peak memory of one GPT forward/backward per model option (one GPU, bf16).
 
-    python examples/gpt/bench_options.py [--layers 24 --hidden 2048 --heads 16 --seq 2048]
+    python bench/bench_options.py [--layers 24 --hidden 2048 --heads 16 --seq 2048]
 
 Prints one JSON line per variant: median step time over --iters and
 ``torch.cuda.max_memory_allocated`` (parameters and gradients included), for the
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The GPT example's model.py (and --compare-module's alternatives) import by name.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 
 VARIANTS = {
     "default": {},
