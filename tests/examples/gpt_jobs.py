@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -137,3 +138,18 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.1)
         alive = [p for p in alive if is_alive(p)]
     return alive
+
+
+#: The smallest GPT the fault, launcher and resume tests train (one layer, CPU, one
+#: thread a rank).
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
+        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "0",
+        "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for --master-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

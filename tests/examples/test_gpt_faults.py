@@ -15,7 +15,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,16 +38,10 @@ from gpt_test_data import prepared_corpus  # noqa: E402
 # Seconds a job may take before the test calls it hung (a few seconds when idle).
 JOB = 300
 
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "0",
-        "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress"]
+TINY = gpt_jobs.TINY
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_port = gpt_jobs.free_port
 
 
 def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -33,10 +32,7 @@ from gpt_test_data import prepared_corpus  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real torchrun jobs
 
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "0",
-        "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress"]
+TINY = gpt_jobs.TINY
 # torchrun's exit status after it forwarded a signal: it re-raises the signal as an
 # exception once the workers are gone, whatever their own exit status was.
 TORCHRUN_SIGNALLED = 1
@@ -45,10 +41,7 @@ TORCHRUN_SIGNALLED = 1
 JOB = 300
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_port = gpt_jobs.free_port
 
 
 def sbatch_torchrun_command() -> str:

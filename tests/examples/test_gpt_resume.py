@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ GPT_DIR = REPO / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
 
 import checkpointing  # noqa: E402
+import gpt_jobs  # noqa: E402
 import pretrain_gpt  # noqa: E402
 import resume  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
@@ -285,16 +285,10 @@ def test_a_crafted_dcp_metadata_is_skipped_not_unpickled(world, tmp_path):
 
 
 # ---------------------------------------------------------- the example, end to end (slow)
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
-        "--seq-length", "16", "--micro-batch-size", "2", "--lr", "1e-3",
-        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "0",
-        "--eval-iters", "1", "--cpu", "--num-threads", "1", "--no-progress"]
+TINY = gpt_jobs.TINY
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_port = gpt_jobs.free_port
 
 
 def run(n: int, args: list[str], timeout: float = 400) -> tuple[list[int], list[str]]:
