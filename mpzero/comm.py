@@ -235,3 +235,49 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup |
             for t in same:
                 t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
+
+
+def agree(error: BaseException | None, group, device) -> None:
+    """Agree on a verdict across ``group`` (collective): return when no rank passes an
+    error; otherwise raise the same ``ValueError`` on every rank, with the message of the
+    lowest rank that failed. So a load refused by one rank is refused by all, before any
+    of them changes state (each calls this between checking and applying).
+
+    The message travels as UTF-8 bytes in tensors (one MIN all-reduce when all is well;
+    two broadcasts more when not): nothing is pickled. An error that was an
+    :class:`~mpzero.checkpoint.safe_load.UnsafeCheckpointError` is raised as one on
+    every rank."""
+    n = group_size(group)
+    if n == 1:
+        if isinstance(error, ValueError):
+            raise error
+        if error is not None:
+            raise ValueError(_error_text(error)) from error
+        return
+    me = group_rank(group)
+    flag = torch.tensor([me if error is not None else n], dtype=torch.int64, device=device)
+    all_reduce(flag, group, dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == n:
+        return
+    src = dist.get_global_rank(group, first) if group not in (None, dist.group.WORLD) \
+        else first
+    data = _error_text(error).encode() if me == first else b""
+    unsafe = me == first and type(error).__name__ == "UnsafeCheckpointError"
+    head = torch.tensor([len(data), int(unsafe)], dtype=torch.int64, device=device)
+    dist.broadcast(head, src, group=group)
+    buf = torch.zeros(int(head[0]), dtype=torch.uint8, device=device)
+    if me == first and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src, group=group)
+    msg = bytes(buf.cpu().tolist()).decode(errors="replace")
+    msg = f"{msg} [refused on rank {src}; nothing was loaded on any rank]"
+    if int(head[1]):
+        from mpzero.checkpoint.safe_load import UnsafeCheckpointError
+
+        raise UnsafeCheckpointError(msg) from error  # the refusing rank keeps its cause
+    raise ValueError(msg) from error
+
+
+def _error_text(error: BaseException) -> str:
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mpzero import parallel_state
+from mpzero import comm, parallel_state
 from mpzero import tensor_parallel as tp
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.checkpoint import safe_load
@@ -552,11 +552,9 @@ def _check_optimizer_state(ckpt: Path, optimizer, sd) -> None:
 def _agree_or_raise(error: BaseException | None) -> None:
     """Every rank raises the same :class:`CheckpointError` when any rank passes one
     (collective over the world), before anything is loaded anywhere."""
-    from mpzero.optimizers import checkpoint as optim_ckpt
-
     group = dist.group.WORLD if _distributed() else None
     try:
-        optim_ckpt.agree(error, group, _collective_device())
+        comm.agree(error, group, _collective_device())
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 

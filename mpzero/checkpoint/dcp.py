@@ -431,7 +431,7 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
 
     All or nothing across the default process group (every rank of it must call this):
     each rank reads and checks what it needs, the ranks agree on the verdict
-    (:func:`mpzero.optimizers.checkpoint.agree`), and only then is anything copied.
+    (:func:`mpzero.comm.agree`), and only then is anything copied.
     When the checkpoint does not fit on any rank (wrong model, missing piece, a file
     that cannot be read), every rank raises the same ``ValueError`` naming the key or
     parameter, and no rank has changed its model or optimizer. The DCP metadata is read
@@ -465,9 +465,9 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
             step = optim_ckpt._check_step(om["step"], f"{directory}: the optimizer step")
             optim_ckpt._check_pieces(optimizer, lambda i: pieces.get(i, []), shapes)
     except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
-        optim_ckpt.agree(e, group, _world_device())
+        comm.agree(e, group, _world_device())
         raise
-    optim_ckpt.agree(None, group, _world_device())
+    comm.agree(None, group, _world_device())
     if model_state is not None:
         model.load_state_dict(model_state)
     if optimizer is not None:

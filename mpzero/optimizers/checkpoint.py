@@ -299,16 +299,16 @@ def check_state_dict(opt, sd: dict) -> None:
 def load_state_dict(opt, sd: dict) -> None:
     """Load a format-2 (or torch Adam/AdamW) state dict, all or nothing across the process
     group: every rank validates the whole dict (every parameter, key, full shape, the step
-    and the param groups' values), the ranks agree on the verdict (:func:`agree`), and
+    and the param groups' values), the ranks agree on the verdict (:func:`mpzero.comm.agree`), and
     only then is anything changed. When any rank refuses, every rank raises the same
     ``ValueError`` and no rank has changed its state. Collective over
     ``opt.process_group``."""
     try:
         state, groups, group_keys = _normalized_state(opt, sd)
     except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
-        agree(e, opt.process_group, opt.device)
+        comm.agree(e, opt.process_group, opt.device)
         raise  # unreachable: agree raised
-    agree(None, opt.process_group, opt.device)
+    comm.agree(None, opt.process_group, opt.device)
     _apply_groups(opt, groups, group_keys)
     with torch.no_grad():
         for b, lay in enumerate(opt._layouts):
@@ -420,60 +420,12 @@ def load_sharded_state_dict(opt, sds: list[dict]) -> None:
         step = _check_step(sds[0]["step"], "the sharded state's 'step'")
         _check_pieces(opt, lambda i: by_param.get(i, []), sds[0].get("shapes"))
     except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
-        agree(e, opt.process_group, opt.device)
+        comm.agree(e, opt.process_group, opt.device)
         raise
-    agree(None, opt.process_group, opt.device)
+    comm.agree(None, opt.process_group, opt.device)
     _apply_groups(opt, sds[0]["param_groups"])
     _fill_from_pieces(opt, lambda i: by_param.get(i, []))
     opt.set_step_count(step)
-
-
-def agree(error: BaseException | None, group, device) -> None:
-    """Agree on a verdict across ``group`` (collective): return when no rank passes an
-    error; otherwise raise the same ``ValueError`` on every rank, with the message of the
-    lowest rank that failed. So a load refused by one rank is refused by all, before any
-    of them changes state (each calls this between checking and applying).
-
-    The message travels as UTF-8 bytes in tensors (one MIN all-reduce when all is well;
-    two broadcasts more when not): nothing is pickled. An error that was an
-    :class:`~mpzero.checkpoint.safe_load.UnsafeCheckpointError` is raised as one on
-    every rank."""
-    n = comm.group_size(group)
-    if n == 1:
-        if isinstance(error, ValueError):
-            raise error
-        if error is not None:
-            raise ValueError(_text(error)) from error
-        return
-    import torch.distributed as dist
-
-    me = comm.group_rank(group)
-    flag = torch.tensor([me if error is not None else n], dtype=torch.int64, device=device)
-    comm.all_reduce(flag, group, dist.ReduceOp.MIN)
-    first = int(flag.item())
-    if first == n:
-        return
-    src = dist.get_global_rank(group, first) if group not in (None, dist.group.WORLD) \
-        else first
-    data = _text(error).encode() if me == first else b""
-    unsafe = me == first and type(error).__name__ == "UnsafeCheckpointError"
-    head = torch.tensor([len(data), int(unsafe)], dtype=torch.int64, device=device)
-    dist.broadcast(head, src, group=group)
-    buf = torch.zeros(int(head[0]), dtype=torch.uint8, device=device)
-    if me == first and data:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src, group=group)
-    msg = bytes(buf.cpu().tolist()).decode(errors="replace")
-    msg = f"{msg} [refused on rank {src}; nothing was loaded on any rank]"
-    if int(head[1]):
-        from mpzero.checkpoint.safe_load import UnsafeCheckpointError
-
-        raise UnsafeCheckpointError(msg) from error  # the refusing rank keeps its cause
-    raise ValueError(msg) from error
-
-
-def _text(error: BaseException) -> str:
-    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
 def _check_pieces(opt, pieces_of, shapes: dict | None) -> None:
@@ -602,9 +554,9 @@ def load_sharded(opt, directory: str) -> None:
         step = _check_step(meta["step"], f"{directory}: 'step'")
         _check_pieces(opt, lambda i: kept.get(i, []), meta.get("shapes"))
     except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
-        agree(e, opt.process_group, opt.device)
+        comm.agree(e, opt.process_group, opt.device)
         raise
-    agree(None, opt.process_group, opt.device)
+    comm.agree(None, opt.process_group, opt.device)
     _apply_groups(opt, meta["param_groups"])
     _fill_from_pieces(opt, lambda i: kept.get(i, []))
     opt.set_step_count(step)
