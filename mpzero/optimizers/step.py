@@ -167,7 +167,6 @@ class StepMixin(DirectGradsMixin):
         self._ensure_layout()
         if grad_scaler is not None and not grad_scaler.is_enabled():
             return {}
-        found = self._found_inf()
         if grad_scaler is not None:
             from torch.amp.grad_scaler import OptState
 
@@ -175,6 +174,8 @@ class StepMixin(DirectGradsMixin):
             if state["stage"] is OptState.UNSCALED:
                 raise RuntimeError("unscale_grads() has already been called on this optimizer "
                                    "since the last update()")
+        found = self._found_inf()  # a collective: after the refusals every rank makes alike
+        if grad_scaler is not None:
             scale = grad_scaler._scale
             inv_scale = scale.double().reciprocal().float()
             state["found_inf_per_device"][found.device] = found.to(scale.device)
