@@ -42,18 +42,20 @@ def breakdown(args, cuda, name, dtype, mk, graph) -> None:
     print(f"param_sync()        {timed(opt.param_sync):8.1f} us")
     bwd()
     opt.grad_sync()
-    plan = next(iter(opt._plans.values()))
-    direct = opt._direct_grads(opt._phases(False)[0]) or {}
-    grads = {b: direct[b] if b in plan.direct else opt._grad.buckets[b].shard
+    plan = next(iter(opt.ensure_layout().stepper.plans.values()))
+    stepper = opt.ensure_layout().stepper
+    direct = stepper.direct.grads(stepper._phases(False)[0]) or {}
+    grads = {b: direct[b] if b in plan.direct else opt.ensure_layout().grads.buckets[b].shard
              for b in plan.cutters}
     print(f"plan.pieces         {timed(lambda: plan.pieces(grads, {})):8.1f} us")
     pieces = plan.pieces(grads, {})
     for launch in plan.launches:
         lists = launch.fill(pieces)
-        kw = opt._hyper(launch.group)
+        kw = opt.step_state.hyper(launch.group, None)
         n = len(lists[0])
         print(f"launch.fill ({n:3d})   {timed(lambda: launch.fill(pieces)):8.1f} us")  # noqa: B023
-        print(f"_hyper              {timed(lambda: opt._hyper(launch.group)):8.1f} us")  # noqa: B023
+        hyper = timed(lambda: opt.step_state.hyper(launch.group, None))  # noqa: B023
+        print(f"hyper              {hyper:8.1f} us")
         print(f"kernel call         {timed(lambda: launch.kernel(*lists, **kw)):8.1f} us")  # noqa: B023
         if cuda:
             from mpzero import _C

@@ -39,20 +39,20 @@ def _units_gather_like_no_overlap(units_first):
     if units_first:
         opt.attach(model)
     # one hook per block, one for the head; none on the blocks' inner Linear layers
-    assert len(opt._module_hooks) == 4, len(opt._module_hooks)
+    assert len(opt._modules.handles) == 4, len(opt._modules.handles)
     for block in blocks:
         assert len(block._forward_pre_hooks) == 1
         assert all(len(m._forward_pre_hooks) == 0 for m in block)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     _train(model, opt, steps=1, g=g)  # makes the layout (and the gather pipeline)
     seen = []
-    orig = opt._param_sync.ensure
+    orig = opt.ensure_layout().gathers.ensure
 
     def ensure(owned, prefetch=1):
         seen.append(len(owned))
         return orig(owned, prefetch)
 
-    opt._param_sync.ensure = ensure
+    opt.ensure_layout().gathers.ensure = ensure
     got = _train(model, opt, steps=2, g=g)
     assert 4 in seen  # a block's hook asked for all 4 of its parameters at once
     return all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -312,7 +312,7 @@ def _one_rank_wrong_model(path):
     with pytest.raises(ValueError) as info:
         mdcp.load_sharded(path, model, opt)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert [g["lr"] for g in opt.param_groups] == lrs and opt.step_count() == 0
+    assert [g["lr"] for g in opt.param_groups] == lrs and opt.step_state.count() == 0
     return str(info.value)
 
 

@@ -82,7 +82,7 @@ def _unscale_misuse() -> bool:
     with pytest.raises(RuntimeError, match=r"after step\(\)"):
         opt.unscale_grads(inv_scale=0.5)
     # Nothing was folded in: the next step's gradients are not scaled by the refused call.
-    assert float(opt._grad_scale) == 1.0
+    assert float(opt.step_state.grad_scale) == 1.0
     # A new backward (or zero_grad) starts the next iteration: allowed again.
     opt.zero_grad()
     _backward(model)
@@ -101,17 +101,17 @@ def test_unscale_grads_misuse_raises(world):
 def test_clip_grad_norm_rejects_non_positive(max_norm):
     model, opt = _opt()
     model(torch.randn(3, 7)).sum().backward()
-    before = float(opt._grad_scale)
+    before = float(opt.step_state.grad_scale)
     with pytest.raises(ValueError, match="max_norm must be positive"):
         opt.clip_grad_norm(max_norm)
-    assert float(opt._grad_scale) == before  # nothing folded in
+    assert float(opt.step_state.grad_scale) == before  # nothing folded in
 
 
 def test_clip_grad_norm_inf_means_no_clipping():
     model, opt = _opt()
     model(torch.randn(3, 7)).sum().backward()
     norm = opt.clip_grad_norm(math.inf)
-    assert torch.isfinite(norm) and float(opt._grad_scale) == 1.0
+    assert torch.isfinite(norm) and float(opt.step_state.grad_scale) == 1.0
 
 
 def _init_params_dtypes() -> bool:
@@ -127,12 +127,12 @@ def _init_params_dtypes() -> bool:
     with pytest.raises(OptionError, match="init_params: grad_sync_dtype"):
         opt.init_params([model.head.weight], grad_sync_dtype=torch.int8)
     opt.init_params()
-    i1 = opt._index[id(model.fc1.weight)]
-    i2 = opt._index[id(model.fc2.weight)]
-    i3 = opt._index[id(model.head.weight)]
-    assert opt._keys[i1] == (torch.float32, torch.bfloat16, torch.float32)
-    assert opt._keys[i2] == (torch.float32, torch.bfloat16, torch.bfloat16)
-    assert opt._keys[i3] == (torch.float32, torch.bfloat16, torch.float32)
+    i1 = opt.shards.index[id(model.fc1.weight)]
+    i2 = opt.shards.index[id(model.fc2.weight)]
+    i3 = opt.shards.index[id(model.head.weight)]
+    assert opt.shards.keys[i1].dtypes == (torch.float32, torch.bfloat16, torch.float32)
+    assert opt.shards.keys[i2].dtypes == (torch.float32, torch.bfloat16, torch.bfloat16)
+    assert opt.shards.keys[i3].dtypes == (torch.float32, torch.bfloat16, torch.float32)
     return True
 
 

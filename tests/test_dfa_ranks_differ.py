@@ -261,7 +261,7 @@ def _counting_run(pattern: str) -> dict:
         opt.step()
     finally:
         comm.CommContext.reduce_scatter = original
-    calls["buckets"] = len(opt._grad.buckets)
+    calls["buckets"] = len(opt.ensure_layout().grads.buckets)
     return calls
 
 

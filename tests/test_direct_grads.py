@@ -3,7 +3,7 @@ of a bucket brings one gradient, the gradients themselves stand for the reduced 
 (no bucket buffer, no copy); the step and the norm read them.
 
 Every run is compared with the same run with direct gradients switched off (each bucket's
-``direct_ok``), which copies them into buffers as before; the fresh buffers are poisoned
+``may_go_direct`` off), which copies them into buffers as before; the fresh buffers are poisoned
 with NaN, so an element a copy fails to define shows up. Tolerances: without clipping the
 values are the same bits (the same kernel on the same values); with clipping the norm is
 summed in another order (per gradient instead of per shard range), so parameters agree
@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from mpzero.optimizers import DistributedFusedAdam, grad_sync
+from mpzero.optimizers import DistributedFusedAdam, grad_bucket
 
 from dfa_common import batches, make_model
 
@@ -25,13 +25,13 @@ RTOL, ATOL = 4e-6, 1e-7
 
 @contextlib.contextmanager
 def _poisoned():
-    original = grad_sync._fresh_buffer
-    grad_sync._fresh_buffer = lambda size, dtype, device: torch.full(
+    original = grad_bucket._fresh_buffer
+    grad_bucket._fresh_buffer = lambda size, dtype, device: torch.full(
         (size,), float("nan"), dtype=dtype, device=device)
     try:
         yield
     finally:
-        grad_sync._fresh_buffer = original
+        grad_bucket._fresh_buffer = original
 
 
 def _loss(model, x, y, use_fc2=True):
@@ -47,12 +47,12 @@ def _train(direct: bool, scenario: str, dtype, clip):
     model = make_model(dtype=dtype)
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01,
                                bucket_cap_mb=CAP, grad_sync_dtype=torch.float32)
-    opt._ensure_layout()
-    assert len(opt._grad.buckets) > 2
-    assert max(len(b.layout.fragments) for b in opt._grad.buckets) > 1
-    assert any(len(frags) > 1 for frags in opt._grad.fragments.values())
-    for b in opt._grad.buckets:
-        b.direct_ok = direct
+    opt.ensure_layout()
+    assert len(opt.ensure_layout().grads.buckets) > 2
+    assert max(len(b.layout.fragments) for b in opt.ensure_layout().grads.buckets) > 1
+    assert any(len(frags) > 1 for frags in opt.ensure_layout().grads.fragments.values())
+    for b in opt.ensure_layout().grads.buckets:
+        b.may_go_direct = b.may_go_direct and direct
     data = batches(1, 3, 2, dtype=dtype)
     norms, held = [], []
     for s in range(3):
@@ -69,10 +69,11 @@ def _train(direct: bool, scenario: str, dtype, clip):
             _loss(model, x0, y0, use_fc2=not (scenario == "skip" and s != 1)).backward()
         opt.grad_sync()
         if scenario == "shard_read":
-            assert opt._grad.buckets[1].shard is not None  # made from the direct gradients
-        held.append([b.direct_grads() is not None for b in opt._grad.buckets])
+            # made from the direct gradients
+            assert opt.ensure_layout().grads.buckets[1].shard is not None
+        held.append([b.direct_grads() is not None for b in opt.ensure_layout().grads.buckets])
         if direct and held[-1][0]:
-            b0 = opt._grad.buckets[0]
+            b0 = opt.ensure_layout().grads.buckets[0]
             assert b0.buffer is None and b0._shard is None, "a direct bucket allocated a buffer"
         if clip:
             norms.append(float(opt.clip_grad_norm(clip)))
@@ -132,7 +133,8 @@ def _not_at_world_2():
     x, y = batches(2, 1, 1)[0][torch.distributed.get_rank()][0]
     _loss(model, x, y).backward()
     opt.grad_sync()
-    assert all(b.direct_grads() is None and b.shard is not None for b in opt._grad.buckets)
+    assert all(b.direct_grads() is None and b.shard is not None
+               for b in opt.ensure_layout().grads.buckets)
     opt.step()
     return True
 
@@ -207,7 +209,8 @@ def _native_steps(native: bool, config: str):
             opt.step()
     finally:
         kernels.adam_plan = original
-    memo = {k for phase in opt._phases(False) for k in phase.memo if isinstance(k, tuple)}
+    memo = {k for phase in opt.ensure_layout().stepper._phases(False) for k in phase.memo
+            if isinstance(k, tuple)}
     params = [p.detach().clone() for p in model.parameters()]
     assert all(not torch.equal(a, b) for a, b in zip(params, start)), "a parameter never moved"
     return params, len(calls), memo

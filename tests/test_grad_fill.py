@@ -2,7 +2,7 @@
 every element nothing wrote (alignment padding, parameters without a gradient) zeroed
 before the buffer is read.
 
-The fresh buffers are poisoned with NaN here (``grad_sync._fresh_buffer`` patched), and
+The fresh buffers are poisoned with NaN here (``grad_bucket._fresh_buffer`` patched), and
 at world 1 the reused shard with the previous step's gradients, so any element the
 fill fails to define reaches the step or the gradient norm and breaks the comparison
 with ``torch.optim.AdamW`` (tolerances: ``dfa_common.RTOL``/``ATOL``).
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpzero.optimizers import DistributedFusedAdam, grad_sync
+from mpzero.optimizers import DistributedFusedAdam, grad_bucket
 
 from dfa_common import ATOL, RTOL, batches, make_model
 
@@ -25,16 +25,16 @@ LR, WD = 1e-2, 0.01
 @contextlib.contextmanager
 def poisoned_buffers():
     """Fresh bucket buffers full of NaN instead of whatever memory held."""
-    original = grad_sync._fresh_buffer
+    original = grad_bucket._fresh_buffer
 
     def poisoned(size, dtype, device):
         return torch.full((size,), float("nan"), dtype=dtype, device=device)
 
-    grad_sync._fresh_buffer = poisoned
+    grad_bucket._fresh_buffer = poisoned
     try:
         yield
     finally:
-        grad_sync._fresh_buffer = original
+        grad_bucket._fresh_buffer = original
 
 
 def _skip(step: int, micro: int) -> set[str]:
@@ -80,7 +80,7 @@ def _filled(micro: int, greedy: bool, capturable: bool = False):
         for s in range(steps):
             opt.zero_grad()
             if s and world == 1:  # a kept shard (capturable) is the next round's buffer
-                for bucket in opt._grad.buckets:
+                for bucket in opt.ensure_layout().grads.buckets:
                     if bucket._shard is not None:
                         bucket._shard.fill_(float("nan"))
             for m in range(micro):
@@ -130,10 +130,10 @@ def _staged_released():
         opt.zero_grad()
         with opt.no_sync(greedy_grad_copy=True):
             _loss(model, x, y, set()).backward()
-        assert all(not b._staged for b in opt._grad.buckets)
+        assert all(not b._staged for b in opt.ensure_layout().grads.buckets)
         _loss(model, x, y, set()).backward()
-        assert len(opt._grad.buckets) > 2
-        assert all(not b._staged and not b._adds for b in opt._grad.buckets)
+        assert len(opt.ensure_layout().grads.buckets) > 2
+        assert all(not b._staged and not b._adds for b in opt.ensure_layout().grads.buckets)
         opt.step()
     return True
 
@@ -170,8 +170,9 @@ def _adds_batched():
             if m == 0:
                 assert calls == []  # the first micro-batch is copied
             else:  # nothing held back once a pass is in (no gradient kept alive)
-                assert all(not b._staged and not b._adds for b in opt._grad.buckets), m
-        buckets = opt._grad.buckets
+                assert all(not b._staged and not b._adds
+                           for b in opt.ensure_layout().grads.buckets), m
+        buckets = opt.ensure_layout().grads.buckets
         n_frag = [len(b.layout.fragments) for b in buckets]
         assert len(buckets) > 1 and max(n_frag) > 1, n_frag
         assert sorted(calls) == sorted(n_frag * 2), (calls, n_frag)  # one add per bucket
@@ -211,7 +212,7 @@ def test_bucket_add_matches_zero_then_add():
                                    (torch.float32, torch.bfloat16)]:
         torch.manual_seed(0)
         grads = [[torch.randn(n).to(grad_dtype) for n in (7, 13)] for _ in range(3)]
-        bucket = grad_sync.GradBucket(layout, sync_dtype, torch.device("cpu"), 0)
+        bucket = grad_bucket.GradBucket(layout, sync_dtype, torch.device("cpu"), 0)
         with poisoned_buffers():
             bucket.start_fill()
             for round_ in grads:
@@ -227,9 +228,9 @@ def test_bucket_add_matches_zero_then_add():
 
 
 def test_exact_cast():
-    assert grad_sync._exact_cast(torch.bfloat16, torch.float32)
-    assert grad_sync._exact_cast(torch.float16, torch.float32)
-    assert grad_sync._exact_cast(torch.float32, torch.float32)
-    assert not grad_sync._exact_cast(torch.float32, torch.bfloat16)
-    assert not grad_sync._exact_cast(torch.float16, torch.bfloat16)  # fp16 has more mantissa
-    assert not grad_sync._exact_cast(torch.bfloat16, torch.float16)  # and bf16 more exponent
+    assert grad_bucket._exact_cast(torch.bfloat16, torch.float32)
+    assert grad_bucket._exact_cast(torch.float16, torch.float32)
+    assert grad_bucket._exact_cast(torch.float32, torch.float32)
+    assert not grad_bucket._exact_cast(torch.float32, torch.bfloat16)
+    assert not grad_bucket._exact_cast(torch.float16, torch.bfloat16)  # fp16 has more mantissa
+    assert not grad_bucket._exact_cast(torch.bfloat16, torch.float16)  # and bf16 more exponent

@@ -211,8 +211,8 @@ def _incoming_buffers(micro):
     model, ref = make_model(), make_model()
     opt = DistributedFusedAdam(model.parameters(), **kw)
     ref_opt = DistributedFusedAdam(ref.parameters(), **kw)
-    opt._ensure_layout()
-    for bucket in opt._grad.buckets:  # what _ensure_layout allocates from the pool
+    opt.ensure_layout()
+    for bucket in opt.ensure_layout().grads.buckets:  # what _ensure_layout allocates from the pool
         bucket.persistent_incoming = torch.empty(bucket.layout.shard_size, dtype=bucket.dtype)
     data = batches(world, 3, micro)
     for s in range(3):

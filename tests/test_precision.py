@@ -1,4 +1,4 @@
-"""Bit-level tests of mpzero.optimizers.precision (remainders, byte-level casts)."""
+"""Bit-level tests of mpzero.kernels.precision (remainders, byte-level casts)."""
 
 import pytest
 import torch

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mpzero import collective_check as cc
 from mpzero.optimizers import OptionError
 from mpzero.optimizers import torch_compat as tc
+from mpzero.warn import user_stacklevel
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +89,11 @@ def test_not_a_dict():
         tc.check_param_group_options([1, 2], 0)
 
 
+# torch's own switches and defaults in its param groups (a kernel choice, not math).
+_TORCH_KEYS = ("foreach", "fused", "differentiable", "capturable", "amsgrad", "maximize",
+               "decoupled_weight_decay")
+
+
 def test_groups_that_lr_schedulers_make_pass():
     """Every key torch's schedulers add to a real optimizer's groups is known."""
     def fresh():
@@ -105,50 +112,30 @@ def test_groups_that_lr_schedulers_make_pass():
         opt = fresh()
         make(opt)
         for gi, g in enumerate(opt.param_groups):
-            g = tc.torch_param_group_to_mpzero(g, gi, adam_w_mode=True)
+            g = {k: v for k, v in g.items() if k not in _TORCH_KEYS}
             tc.check_param_group_options(g, gi, adam_w_mode=True)
-
-
-def test_torch_state_dict_groups_convert():
-    p = torch.nn.Parameter(torch.zeros(3))
-    for kw in ({}, {"foreach": True}, {"fused": True}, {"capturable": True},
-               {"differentiable": True}):
-        opt = torch.optim.AdamW([p], lr=1e-3, **kw)
-        g = opt.state_dict()["param_groups"][0]
-        out = tc.torch_param_group_to_mpzero(g, 0, adam_w_mode=True)
-        assert set(out) == {"params", "lr", "betas", "eps", "weight_decay"}, out
-        assert "foreach" in g  # the input is not modified
-    g = torch.optim.Adam([p]).state_dict()["param_groups"][0]
-    assert "decoupled_weight_decay" not in tc.torch_param_group_to_mpzero(
-        g, 0, adam_w_mode=False)
-    with pytest.raises(OptionError, match="adam_w_mode=True"):
-        tc.torch_param_group_to_mpzero(g, 0, adam_w_mode=True)
-    for kw, what in (({"amsgrad": True}, "amsgrad=True"), ({"maximize": True}, "maximize")):
-        g = torch.optim.AdamW([p], **kw).state_dict()["param_groups"][0]
-        with pytest.raises(OptionError, match=what):
-            tc.torch_param_group_to_mpzero(g, 0, adam_w_mode=True)
 
 
 # ---------------------------------------------------------------------- timeout parsing
 def test_collective_check_timeout_parsing(monkeypatch):
-    monkeypatch.delenv(tc.COLLECTIVE_CHECK_ENV, raising=False)
-    assert tc.collective_check_timeout() == tc.DEFAULT_COLLECTIVE_CHECK_TIMEOUT
-    assert tc.collective_check_timeout(2.5) == 2.5
-    monkeypatch.setenv(tc.COLLECTIVE_CHECK_ENV, "7")
-    assert tc.collective_check_timeout() == 7.0
-    assert tc.collective_check_timeout(1) == 1.0
-    monkeypatch.setenv(tc.COLLECTIVE_CHECK_ENV, "off")
-    assert tc.collective_check_timeout() == 0.0
-    monkeypatch.setenv(tc.COLLECTIVE_CHECK_ENV, "soon")
-    with pytest.raises(OptionError, match=tc.COLLECTIVE_CHECK_ENV):
-        tc.collective_check_timeout()
-    with pytest.raises(OptionError):
-        tc.collective_check_timeout(-1)
+    monkeypatch.delenv(cc.COLLECTIVE_CHECK_ENV, raising=False)
+    assert cc.collective_check_timeout() == cc.DEFAULT_COLLECTIVE_CHECK_TIMEOUT
+    assert cc.collective_check_timeout(2.5) == 2.5
+    monkeypatch.setenv(cc.COLLECTIVE_CHECK_ENV, "7")
+    assert cc.collective_check_timeout() == 7.0
+    assert cc.collective_check_timeout(1) == 1.0
+    monkeypatch.setenv(cc.COLLECTIVE_CHECK_ENV, "off")
+    assert cc.collective_check_timeout() == 0.0
+    monkeypatch.setenv(cc.COLLECTIVE_CHECK_ENV, "soon")
+    with pytest.raises(ValueError, match=cc.COLLECTIVE_CHECK_ENV):
+        cc.collective_check_timeout()
+    with pytest.raises(ValueError):
+        cc.collective_check_timeout(-1)
 
 
 def test_collective_check_without_distributed():
     assert not dist.is_initialized()
-    tc.check_collective_entry("state_dict()")  # a no-op, returns at once
+    cc.check_collective_entry("state_dict()")  # a no-op, returns at once
 
 
 # ---------------------------------------------------------------------- collectives
@@ -158,50 +145,50 @@ def _collective_cases():
     # 1. all ranks, many calls (keys of old calls are deleted as it goes).
     t = time.perf_counter()
     for _ in range(20):
-        tc.check_collective_entry("test_all()", timeout=10)
+        cc.check_collective_entry("test_all()", timeout=10)
     out["all_s"] = (time.perf_counter() - t) / 20
     # 2. a subgroup entered by its members only: the others do not take part.
     sub = dist.new_group([0, 1])
     other = dist.new_group([1, 2])
     if rank in (0, 1):
-        tc.check_collective_entry("test_sub()", sub, timeout=10)
-        tc.check_collective_entry("test_sub()", sub, timeout=10)
+        cc.check_collective_entry("test_sub()", sub, timeout=10)
+        cc.check_collective_entry("test_sub()", sub, timeout=10)
     # 3. a subgroup call made on one member only fails within the timeout, naming it.
     t = time.perf_counter()
     try:
         if rank == 1:
-            tc.check_collective_entry("state_dict()_test_lonely", other, timeout=1.0)
+            cc.check_collective_entry("state_dict()_test_lonely", other, timeout=1.0)
         out["lonely"] = None
-    except tc.CollectiveMismatchError as e:
+    except cc.CollectiveMismatchError as e:
         out["lonely"] = str(e)
     out["lonely_s"] = time.perf_counter() - t
     dist.barrier()
     # 4. the world: rank 0 only, the env-var timeout.
-    os.environ[tc.COLLECTIVE_CHECK_ENV] = "1.5"
+    os.environ[cc.COLLECTIVE_CHECK_ENV] = "1.5"
     try:
         t = time.perf_counter()
         if rank == 0:
-            tc.check_collective_entry("state_dict()_test_rank0", timeout=None)
+            cc.check_collective_entry("state_dict()_test_rank0", timeout=None)
         out["rank0"] = None
-    except tc.CollectiveMismatchError as e:
+    except cc.CollectiveMismatchError as e:
         out["rank0"] = str(e)
     finally:
-        del os.environ[tc.COLLECTIVE_CHECK_ENV]
+        del os.environ[cc.COLLECTIVE_CHECK_ENV]
     out["rank0_s"] = time.perf_counter() - t
     dist.barrier()
     # ... and rank 0 withdrew: the same call made on every rank now pairs up.
-    tc.check_collective_entry("state_dict()_test_rank0", timeout=10)
-    tc.check_collective_entry("state_dict()_test_rank0", timeout=10)
+    cc.check_collective_entry("state_dict()_test_rank0", timeout=10)
+    cc.check_collective_entry("state_dict()_test_rank0", timeout=10)
     # 5. the group of one rank and comm.SELF: no store traffic, no wait.
     from mpzero import comm
 
-    tc.check_collective_entry("test_self()", comm.SELF, timeout=1)
-    tc.check_collective_entry("test_one()", dist.new_group([2]), timeout=1)
+    cc.check_collective_entry("test_self()", comm.SELF, timeout=1)
+    cc.check_collective_entry("test_one()", dist.new_group([2]), timeout=1)
     # 6. old keys are gone: only the last call's keys of test_all() remain.
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
-    base = f"{tc._KEY_PREFIX}/test_all()/0,1,2"
+    base = f"{cc._KEY_PREFIX}/test_all()/0,1,2"
     out["old_key_gone"] = not store.check([f"{base}/1/count"])
     out["last_key_kept"] = store.check([f"{base}/20/done"])
     dist.barrier()
@@ -225,7 +212,7 @@ def test_collective_entry_world3(world):
         if r == 0:
             msg = out["rank0"]
             assert msg and "global ranks [0, 1, 2]" in msg and "within 1.5 s" in msg, msg
-            assert tc.COLLECTIVE_CHECK_ENV in msg
+            assert cc.COLLECTIVE_CHECK_ENV in msg
             assert 1.4 < out["rank0_s"] < 10, out
         else:
             assert out["rank0"] is None
@@ -276,23 +263,12 @@ def test_ddp_detection(world):
         assert out["inside"] == [True, False] and out["outside"] is False, out
 
 
-# ---------------------------------------------------------------------- clipping
-def test_torch_clip_would_be_noop():
-    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
-    assert tc.torch_clip_would_be_noop([a, b]) and tc.torch_clip_would_be_noop(a)
-    # What torch does then: returns 0 and clips nothing.
-    assert torch.nn.utils.clip_grad_norm_([a, b], 1.0).item() == 0.0
-    b.grad = torch.full((3,), 10.0)
-    assert not tc.torch_clip_would_be_noop([a, b])
-    assert not tc.torch_clip_would_be_noop(p for p in [a, b])
-
-
 # ---------------------------------------------------------------------- stacklevel
 def test_user_stacklevel_points_at_caller_outside_mpzero():
     import mpzero.optimizers.torch_compat as mod
 
     # Called directly from a test (outside mpzero): level 1 is this frame.
-    assert tc.user_stacklevel() == 1
+    assert user_stacklevel() == 1
 
     # An mpzero-internal caller: compile helper functions under mpzero's file name so
     # their frames count as mpzero's.
@@ -305,7 +281,7 @@ def test_user_stacklevel_points_at_caller_outside_mpzero():
            "    return user_stacklevel()\n"
            "def level2():\n"
            "    return level()\n")
-    ns = {"user_stacklevel": tc.user_stacklevel}
+    ns = {"user_stacklevel": user_stacklevel}
     exec(compile(src, mod.__file__, "exec"), ns)
     assert ns["level"]() == 2
     assert ns["level2"]() == 3
@@ -314,6 +290,3 @@ def test_user_stacklevel_points_at_caller_outside_mpzero():
         ns["outer"]()
         line = _lineno() - 1
     assert w[0].filename == __file__ and w[0].lineno == line, (w[0].filename, w[0].lineno)
-    # Extra prefixes count as internal too.
-    assert ns["level"]() == 2
-    assert tc.user_stacklevel(skip=[__file__]) > 1

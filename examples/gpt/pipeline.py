@@ -33,9 +33,8 @@ distributed optimizer). The last stage's copy is left out of the gradient norm,
 so ``wte`` is counted once, as at PP=1. The bucket is placed last in the first
 stage's layout and first in the last stage's (the order their gradients are
 complete in backward), so the other buckets still overlap the backward pass.
-The optimizer has no public API for a shard's gradient or for excluding a
-parameter from the norm; :class:`TiedEmbedding` reaches into it (``_grad``,
-``_shards``) in the two places marked below.
+:class:`TiedEmbedding` uses the optimizer's ``grad_shards(param)`` (the synced
+gradient shards of ``wte``'s buckets) and ``shards.exclude_from_norm(param)``.
 
 Why a schedule of our own and not ``torch.distributed.pipelining``
 (``PipelineStage`` + ``Schedule1F1B``, which runs on gloo): its schedule owns the
@@ -106,37 +105,28 @@ class TiedEmbedding:
         else:
             optimizer.init_params_bucket([w])
             optimizer.init_params(rest)
-        self.weight, self.buckets = w, None
+        self.weight, self.checked = w, False
 
-    def _find_buckets(self) -> list[int]:
-        """Indices of the optimizer buckets holding wte (once the layout exists)."""
-        opt = self.optimizer
-        # Internal: the buckets holding wte (only wte: it has bucket(s) of its own).
-        index = next(i for i, p in enumerate(opt.parameters()) if p is self.weight)
-        buckets = sorted({f.bucket for f in opt._grad.fragments[index]})
-        sizes = torch.tensor([opt._grad.buckets[b].layout.shard_size for b in buckets],
-                             dtype=torch.int64, device=self.weight.device)
+    def _check_layout(self, shards: list[torch.Tensor]) -> None:
+        """Both stages laid wte out alike (same shard sizes), once; the last stage's copy
+        leaves the gradient norm (the first stage counts wte)."""
+        sizes = torch.tensor([s.numel() for s in shards], dtype=torch.int64,
+                             device=self.weight.device)
         agreed = sizes.clone()
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         if not torch.equal(agreed, sizes):
             raise RuntimeError("tied embedding: the first and last stage laid out wte "
                                "differently (different bucket_cap_mb or optimizer grid?)")
         if parallel_state.is_pipeline_last_stage():
-            # Internal: the copy is not counted in the grad norm (the first stage counts wte).
-            for b in buckets:
-                shard = opt._shards[b]
-                shard.norm_ranges = [(a, e, False) for a, e, _ in shard.norm_ranges]
-        return buckets
+            self.optimizer.shards.exclude_from_norm(self.weight)
+        self.checked = True
 
     def all_reduce_grads(self) -> None:
-        """Sum the synced ``wte`` gradient shards of the two stages (after grad_sync)."""
-        self.optimizer.grad_sync()
-        if self.buckets is None:
-            self.buckets = self._find_buckets()
-        for b in self.buckets:
-            shard = self.optimizer._grad.buckets[b].shard  # internal: this rank's shard
-            if shard is None:
-                raise RuntimeError("tied embedding: wte's gradient shard is not synced")
+        """Sum the synced ``wte`` gradient shards of the two stages (grad_sync included)."""
+        shards = self.optimizer.grad_shards(self.weight)
+        if not self.checked:
+            self._check_layout(shards)
+        for shard in shards:
             dist.all_reduce(shard, group=self.group)
 
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mpzero import comm
 from mpzero.checkpoint import safe_load
 from mpzero.optimizers import checkpoint as optim_ckpt
+from mpzero.optimizers import state_checks as checks
 
 DCP_FORMAT = "mpzero-dcp-1"
 META = "mpzero.json"
@@ -255,22 +256,12 @@ def _model_state(directory, meta, keys, model, tp_group) -> dict[str, torch.Tens
     return out
 
 
-def _local_spans(optimizer) -> dict[int, list[tuple[int, int]]]:
-    """``{param: [(start, end)]}``: the ranges of each flattened parameter this rank's
-    optimizer shards hold."""
-    mine: dict[int, list[tuple[int, int]]] = {}
-    for lay in optimizer._layouts:
-        for pc in lay.shard_pieces(optimizer.distributed_rank):
-            mine.setdefault(pc.param, []).append((pc.param_start, pc.param_end))
-    return mine
-
-
 def _optim_pieces(directory, meta, keys, optimizer, tp_group, model=None) -> dict[int, list]:
     """The saved pieces overlapping this rank's shards: ``{param: [(start, end, {key: t})]}``."""
     tp_size, tp_rank = _tp_coords(tp_group)
     saved_tp = meta["optim"].get("tensor_model_parallel_size", 1)
-    optimizer._ensure_layout()
-    mine = _local_spans(optimizer)
+    optimizer.ensure_layout()
+    mine = optimizer.shards.shard_spans()
     if saved_tp != tp_size:
         return _resharded_optim_pieces(directory, meta, keys, optimizer, tp_group, mine, model)
     prefix = _optim_prefix(tp_rank, tp_size)
@@ -354,7 +345,7 @@ def _resharded_optim_pieces(directory, meta, keys, optimizer, tp_group, mine,
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     plan, wanted = [], {}
     for i, spans in sorted(mine.items()):
-        p = optimizer._params[i]
+        p = optimizer.shards.params[i]
         name = names.get(id(p))
         j = saved_names.index(name) if name is not None and name in saved_names else i
         if j not in saved_shapes:
@@ -438,8 +429,8 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
     without running code from it (:mod:`mpzero.checkpoint.safe_load`); a file that
     would is refused with :class:`~mpzero.checkpoint.safe_load.UnsafeCheckpointError`.
     Returns ``mpzero.json``'s contents."""
-    if optimizer is not None and hasattr(optimizer, "_ensure_layout"):
-        optimizer._ensure_layout()  # collectives: before anything that may fail
+    if optimizer is not None and hasattr(optimizer, "ensure_layout"):
+        optimizer.ensure_layout()  # collectives: before anything that may fail
         optimizer.param_sync()
     group = dist.group.WORLD if dist.is_initialized() else None
     try:
@@ -461,9 +452,9 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
             # At another TP size the saved shapes are other blocks: the full shapes were
             # compared while resharding.
             shapes = {int(i): tuple(s) for i, s in om["shapes"].items()} if same_tp else None
-            optim_ckpt._check_groups(optimizer, om["param_groups"])
-            step = optim_ckpt._check_step(om["step"], f"{directory}: the optimizer step")
-            optim_ckpt._check_pieces(optimizer, lambda i: pieces.get(i, []), shapes)
+            checks.check_groups(optimizer, om["param_groups"])
+            step = checks.check_step(om["step"], f"{directory}: the optimizer step")
+            checks.check_pieces(optimizer, lambda i: pieces.get(i, []), shapes)
     except Exception as e:  # noqa: BLE001 - every refusal travels to the other ranks
         comm.agree(e, group, _world_device())
         raise
@@ -471,11 +462,12 @@ def load_sharded(directory: str | os.PathLike, model: torch.nn.Module | None = N
     if model_state is not None:
         model.load_state_dict(model_state)
     if optimizer is not None:
-        optim_ckpt._apply_groups(optimizer, om["param_groups"])
-        optim_ckpt._fill_from_pieces(optimizer, lambda i: pieces.get(i, []))
-        optimizer.set_step_count(step)
-        if hasattr(optimizer, "_after_load"):  # as its load_state_dict: device lr, step
-            optimizer._after_load()  # mirrors, the parameters of loaded remainders
+        # Checked above on every rank: this load validates again (no file access) and
+        # applies the pieces, the param groups and the step, as its own loads do.
+        optimizer.load_sharded_state_dict([{
+            "format": optim_ckpt.FORMAT, "param_groups": om["param_groups"], "step": step,
+            "pieces": [(i, lo, hi, tensors) for i, got in sorted(pieces.items())
+                       for lo, hi, tensors in got]}])
     return meta
 
 

@@ -129,7 +129,7 @@ def adam_remainders(
 ) -> None:
     """Adam on fp32 masters kept as bf16 ``params_bf16`` + int16 ``remainders``.
 
-    The master is ``merge_remainder(p, rem)`` (``mpzero.optimizers.precision``);
+    The master is ``merge_remainder(p, rem)`` (``mpzero.kernels.precision``);
     it is updated with fp32 ``exp_avgs``/``exp_avg_sqs`` and split back in place.
     ``params_out`` (optional) gets the new bf16 value, or the new master cast to
     its dtype when it is not bf16.

@@ -1,8 +1,15 @@
-"""Validation of DistributedFusedAdam's constructor options: one place, clear messages."""
+"""DistributedFusedAdam's options, its process groups and its bucket keys: what is fixed
+at construction, validated once, in one place, with messages that name the option."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
+
+from mpzero import comm
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Integer param-sync dtypes of every width, signed and unsigned (torch >= 2.3 has the
@@ -103,3 +110,175 @@ def check_options(o: dict) -> None:
             raise OptionError("nccl_ub=True requires contiguous_grad_buffer=True")
         if device is not None and torch.device(device).type != "cuda":
             raise OptionError(f"nccl_ub=True requires a CUDA device, got device={device!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything fixed at construction besides the parameters, the param groups'
+    hyperparameters and the process groups (see :class:`Groups`). Made once by the
+    constructor from its apex-compatible keywords and validated there."""
+
+    adam_w_mode: bool = True
+    """Decoupled weight decay (AdamW); ``False``: L2 regularization added to the gradient."""
+    dtype: torch.dtype = torch.float32
+    """The optimizer state's dtype (master parameters and moments)."""
+    grad_sync_dtype: torch.dtype = torch.float32
+    """The dtype gradients are reduced in (``None`` at the constructor: ``dtype``)."""
+    param_sync_dtype: torch.dtype = torch.float32
+    """The dtype updated parameters are gathered in; an integer dtype gathers raw bytes."""
+    device: torch.device = torch.device("cpu")
+    """Where the state lives (the parameters' device unless given)."""
+    average_grad_sync: bool = True
+    """Mean (``True``) or sum of the gradients over the process group."""
+    overlap_grad_sync: bool = True
+    """Reduce-scatter buckets during backward as soon as they are complete."""
+    overlap_param_sync: bool = False
+    """Gather each bucket just before the next forward uses it (module pre-hooks)."""
+    bucket_cap_mb: float = 100.0
+    """MiB of ``grad_sync_dtype`` per bucket."""
+    pipeline_size: int = 2
+    """Buckets whose collectives may be in flight at once (and CUDA side streams)."""
+    contiguous_param_buffer: bool = False
+    """Parameters are views of one buffer per bucket key; gathers write into them."""
+    contiguous_grad_buffer: bool = False
+    """Gradient buckets are views of one persistent buffer (``grad_buffer_view``)."""
+    store_params: bool = True
+    """Keep a master copy of the parameters in ``dtype``."""
+    store_param_remainders: bool = False
+    """bf16 parameters + int16 remainders stand for the fp32 master (bit-exact)."""
+    with_scaled_states: bool = False
+    """Master and moments in 16 bits with one fp32 scale per fragment."""
+    nccl_ub: bool = False
+    """Gradient and shard buffers from the NCCL-registered memory pool."""
+    capturable: bool = False
+    """lr and step on the device, no host sync in ``step()`` (CUDA graphs)."""
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> Options:
+        """The options of the constructor's keyword ``arguments`` (checked first)."""
+        check_options(arguments)
+        dtype, gsd, psd = check_sync_dtypes(arguments["dtype"], arguments["grad_sync_dtype"],
+                                            arguments["param_sync_dtype"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in arguments.items() if k in names}
+        values.update(dtype=dtype, grad_sync_dtype=gsd, param_sync_dtype=psd,
+                      bucket_cap_mb=float(arguments["bucket_cap_mb"]))
+        return cls(**values)
+
+    def items(self) -> list[tuple[str, object]]:
+        """``(name, value)`` of every option, in declaration order."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+
+
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
+
+
+class BucketKey(NamedTuple):
+    """The dtypes a bucket is keyed by: parameters with other dtypes go in other buckets."""
+
+    state: torch.dtype  # master and moments
+    grad: torch.dtype  # gradient reduce-scatter
+    param: torch.dtype  # parameter all-gather (an integer dtype: raw top bytes)
+    # Byte-level sync only: the parameters' own dtype, whose top bytes travel.
+    param_dtype: torch.dtype | None = None
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """``(state, grad, param)``: the part ``init_params`` chooses."""
+        return (self.state, self.grad, self.param)
+
+    @property
+    def byte_sync(self) -> bool:
+        return is_byte_dtype(self.param)
+
+    @property
+    def allows_remainders(self) -> bool:
+        """bf16 + int16 remainders need an fp32 state and bf16 parameter sync."""
+        return (self.state == torch.float32 and self.param == torch.bfloat16
+                and self.param_dtype is None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The optimizer's process groups and this rank's place in them."""
+
+    process: dist.ProcessGroup | None  # distributed x redundant
+    distributed: dist.ProcessGroup | None  # gradients and state are sharded over it
+    redundant: object  # the shards are replicated over it (comm.SELF when trivial)
+    model_parallel: dist.ProcessGroup | None  # TP/PP: the grad norm also reduces over it
+    tensor_parallel_rank: int  # TP-replicated parameters count in the norm on TP rank 0
+
+    @classmethod
+    def resolve(cls, process_group, distributed_group, redundant_group,
+                model_parallel_group, tensor_parallel_rank: int = 0) -> Groups:
+        """Fill in the defaults and check that the sizes multiply."""
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        if distributed_group is None:
+            distributed_group = process_group
+            if redundant_group is not None and comm.group_size(redundant_group) > 1:
+                raise OptionError(
+                    "redundant_process_group given without distributed_process_group")
+        if redundant_group is None:
+            redundant_group = comm.SELF
+        n, d, r = (comm.group_size(process_group), comm.group_size(distributed_group),
+                   comm.group_size(redundant_group))
+        if d * r != n:
+            raise OptionError(
+                f"process_group size ({n}) must equal distributed_process_group size ({d}) x "
+                f"redundant_process_group size ({r})")
+        return cls(process_group, distributed_group, redundant_group, model_parallel_group,
+                   tensor_parallel_rank)
+
+    @property
+    def distributed_size(self) -> int:
+        return comm.group_size(self.distributed)
+
+    @property
+    def distributed_rank(self) -> int:
+        return comm.group_rank(self.distributed)
+
+    @property
+    def redundant_size(self) -> int:
+        return comm.group_size(self.redundant)
+
+    @property
+    def local_only(self) -> bool:
+        """This rank alone makes up both groups: nothing to communicate."""
+        return self.distributed_size == 1 and self.redundant_size == 1
+
+
+def resolve_device(device, params) -> torch.device:
+    """The state's device: ``device``, or the parameters' (which must share one)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise OptionError(f"params are on different devices ({sorted(map(str, devices))}); "
+                          "DistributedFusedAdam needs all on one")
+    if device is None:
+        dev = devices.pop()
+    else:
+        dev = torch.device(device)
+        if dev.type not in ("cuda", "cpu"):
+            raise OptionError(f"device={device!r}: only 'cuda' and 'cpu' are supported")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def collect_params(params) -> list[torch.Tensor]:
+    """Flatten ``params`` (tensors or param-group dicts); reject duplicates."""
+    flat = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item["params"]
+            flat.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+        else:
+            flat.append(item)
+    seen = set()
+    for p in flat:
+        if id(p) in seen:
+            raise OptionError(f"params: a parameter of shape {tuple(p.shape)} is given twice")
+        seen.add(id(p))
+    if not flat:
+        raise OptionError("params: the optimizer got an empty parameter list")
+    return flat

@@ -16,10 +16,13 @@ if TYPE_CHECKING:
     from mpzero.optimizers.step import Phase
 
 
-class DirectGradsMixin:
-    """Which gradients a phase of DistributedFusedAdam's step reads directly, and how."""
+class DirectReads:
+    """Which gradients a phase of the step reads directly, and how."""
 
-    def _direct_order(self, phase: Phase) -> list[tuple[int, list[int]]] | None:
+    def __init__(self, layouts, buckets, rank: int):
+        self.layouts, self.buckets, self.rank = layouts, buckets, rank
+
+    def order(self, phase: Phase) -> list[tuple[int, list[int]]] | None:
         """``(bucket, parameter of each of its pieces)`` per planned bucket of ``phase``
         where every one of them writes its parameters in place (so may step on direct
         gradients), else None; made once."""
@@ -27,19 +30,19 @@ class DirectGradsMixin:
         if order is False:
             order = phase.memo["direct_order"] = None if not all(
                 writes for _, writes in phase.plan_key) else [
-                (b, [p.param for p in self._layouts[b].shard_pieces(self.distributed_rank)])
+                (b, [p.param for p in self.layouts[b].shard_pieces(self.rank)])
                 for b in phase.planned]
         return order
 
-    def _direct_dicts(self, phase: Phase) -> list[dict[int, torch.Tensor]] | None:
+    def dicts(self, phase: Phase) -> list[dict[int, torch.Tensor]] | None:
         """Per planned bucket of ``phase`` (in order), its direct gradients (grad_sync.py:
         ``{param: gradient}``) where every one of them has them and writes its
         parameters in place; else None (the buckets' shards are read)."""
         buckets = phase.memo.get("direct_buckets", False)
         if buckets is False:
-            order = self._direct_order(phase)
+            order = self.order(phase)
             buckets = phase.memo["direct_buckets"] = None if order is None else [
-                self._grad.buckets[b] for b, _ in order]
+                self.buckets[b] for b, _ in order]
         if buckets is None:
             return None
         got = []
@@ -50,25 +53,25 @@ class DirectGradsMixin:
             got.append(direct)
         return got
 
-    def _direct_grads(self, phase: Phase, directs=None) -> dict[int, list[torch.Tensor]] | None:
+    def grads(self, phase: Phase, directs=None) -> dict[int, list[torch.Tensor]] | None:
         """Per planned bucket of ``phase``, its direct gradients in the order of its pieces,
         where every one of them has them and writes its parameters in place; else None.
-        ``directs``: what :meth:`_direct_dicts` gave this step, if already asked."""
+        ``directs``: what :meth:`dicts` gave this step, if already asked."""
         if directs is None:
-            directs = self._direct_dicts(phase)
+            directs = self.dicts(phase)
         if directs is None:
             return None
         return {b: list(map(d.__getitem__, params))
-                for (b, params), d in zip(self._direct_order(phase), directs)}
+                for (b, params), d in zip(self.order(phase), directs)}
 
-    def _direct_runs(self, phase: Phase, launch) -> list[tuple[int, Callable, bool]]:
+    def runs(self, phase: Phase, launch) -> list[tuple[int, Callable, bool]]:
         """A native ``launch``'s per-step tensors with direct gradients, as runs of one
         bucket each: ``(position of the bucket in phase.planned, getter, single)``, the
         getter taking that bucket's direct dict to its gradients of the run (one tensor
         where ``single``, else a tuple), in ``launch.bases`` order (what ``per_step``
         gives)."""
         pos = {b: i for i, b in enumerate(phase.planned)}
-        params = dict(self._direct_order(phase))
+        params = dict(self.order(phase))
         runs: list[tuple[int, list[int]]] = []
         for b, which, j in launch.bases:
             assert which == GRAD, "a direct plan's per-step tensors are its gradients"

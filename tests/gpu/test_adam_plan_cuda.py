@@ -183,7 +183,8 @@ def _dfa_with_and_without_plans(mode, device="cuda"):
                     opt.step()
             finally:
                 kernels.adam_plan = saved
-            natives.append(sum(launch.native is not None for plan in opt._plans.values()
+            natives.append(sum(launch.native is not None
+                               for plan in opt.ensure_layout().stepper.plans.values()
                                for launch in plan.launches))
             results.append([p.detach().clone() for p in model.parameters()])
         if device == "cuda":

@@ -169,16 +169,17 @@ def _nccl_ub():
     model, ref = make_model(), make_model()
     opt = DistributedFusedAdam(model.parameters(), nccl_ub=True, **kw)
     try:
-        opt._ensure_layout()
+        opt.ensure_layout()
     except RuntimeError as e:  # no NCCL user buffers here: the error must say why
         assert "nccl_ub=True" in str(e) and "NCCL user buffers" in str(e), e
         return f"unsupported: {e}"
     ref_opt = DistributedFusedAdam(ref.parameters(), nccl_ub=False, **kw)
-    nccl_pool = opt._nccl_pool
+    nccl_pool = opt.shards.nccl_pool
     print(f"nccl_ub: {nccl_pool.describe()}")
     segments = _pool_segments(nccl_pool.pool)
     assert segments, "the pool has no segments"
-    tensors = list(opt._buffers[1].values()) + [b.persistent_incoming for b in opt._grad.buckets]
+    tensors = list(opt.shards.buffers["grads"].values()) + [
+        b.persistent_incoming for b in opt.ensure_layout().grads.buckets]
     for t in tensors:
         start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
         assert any(a <= start and end <= b for a, b in segments), (hex(start), segments)

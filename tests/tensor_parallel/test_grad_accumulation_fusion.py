@@ -176,10 +176,11 @@ def _arrivals():
     with opt.no_sync(greedy_grad_copy=True):
         model(_randn(0, 4, 8)).sum().backward()
         assert model.fc.weight.grad is None
-        assert len(opt._grad.buckets) > 4 and all(b.complete for b in opt._grad.buckets)
+        buckets = opt.ensure_layout().grads.buckets
+        assert len(buckets) > 4 and all(b.complete for b in buckets)
         # The other parameters' additions are staged and made once each bucket is in
         # (the fused weights count as arrived): nothing is left holding a gradient.
-        assert not any(b._adds for b in opt._grad.buckets)
+        assert not any(b._adds for b in opt.ensure_layout().grads.buckets)
     ps.destroy_model_parallel()
     return True
 
