@@ -34,12 +34,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gpt"))
+# Run as a script from the checkout: the GPT example is the package examples.gpt.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from examples.gpt.model import GPT, GPTConfig
+from examples.gpt.optim import build_optimizer
 from mpzero import parallel_state  # noqa: E402
-
-from model import GPT, GPTConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
 
 GIB = 2**30
 

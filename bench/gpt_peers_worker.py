@@ -44,15 +44,12 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "gpt"))
+# Run as a script from the checkout: the GPT example is the package examples.gpt.
+sys.path.insert(0, str(REPO))
 
+from examples.gpt import compiling, logging_utils, optim, precision  # noqa: E402
+from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
 from mpzero import parallel_state  # noqa: E402
-
-import compiling  # noqa: E402
-import logging_utils  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-from model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
 
 SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
 BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16

@@ -49,7 +49,7 @@ stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report time and exit 
 }
 
 gpt() {  # gpt TAG OPTIMIZER: a GPT-2-small-shaped model, bf16, one GPU
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py \
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
     --micro-batch-size 16 --global-batch-size 64 --train-iters 60 --bf16 \
     --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 10 \
@@ -64,10 +64,10 @@ ckpt() {  # ckpt FORMAT: save at iteration 2, then resume for one more iteration
      --micro-batch-size 4 --global-batch-size 4 --bf16 --lr 1e-4 --log-interval 1
      --eval-interval 1000 --eval-iters 1 --no-progress --ckpt-format "$1"
      --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}")
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train "${a[@]}" \
     --train-iters 2 --save "$d" --save-interval 2
   echo "checkpoint size ($1): $(du -sb "$d/iter_0000002" | cut -f1) bytes"
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train "${a[@]}" \
     --train-iters 3 --load "$d"
   rm -rf "$d"
 }

@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from model import GPTConfig
+from .model import GPTConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

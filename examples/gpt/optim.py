@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mpzero import parallel_state
 
-from master_weights import MasterWeights
+from .master_weights import MasterWeights
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-import checkpointing
+from . import checkpointing
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",

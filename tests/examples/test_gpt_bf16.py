@@ -15,8 +15,6 @@ on a 2-rank gloo world (DP=2, two micro-batches per rank and step, clipping on):
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,16 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from examples.gpt import checkpointing, compiling, optim, precision, train
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
-
-import checkpointing  # noqa: E402
-import compiling  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-import pretrain_gpt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -83,7 +74,7 @@ def _train(model, opt, iters: range, tokens) -> tuple[list[float], list[float]]:
     for it in iters:
         for group in opt.param_groups:
             group["lr"] = HP["lr"] * (1.0 if it > 1 else 0.5)
-        loss, norm = pretrain_gpt.train_step(model, opt, tokens, _starts(it), ARGS, device,
+        loss, norm = train.train_step(model, opt, tokens, _starts(it), ARGS, device,
                                              contextlib.nullcontext)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group())
         losses.append(float(loss))

@@ -21,16 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.gpt import checkpointing, resume, train
+from examples.gpt.model import GPT, GPTConfig
+
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
-sys.path.insert(0, str(GPT_DIR))
 
-import checkpointing  # noqa: E402
+
 import gpt_jobs  # noqa: E402
-import pretrain_gpt  # noqa: E402
-import resume  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,10 +38,10 @@ MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2
 
 
 def _args(*extra: str, load: Path | None = None):
-    """The command line as pretrain_gpt.main sees it before resuming (with the sizes it
+    """The command line as train.main sees it before resuming (with the sizes it
     computes from the data)."""
     argv = [*MODEL, *extra] + (["--load", str(load)] if load is not None else [])
-    args = pretrain_gpt.parse_args(argv)
+    args = train.parse_args(argv)
     args.padded_vocab_size = 128
     args.ffn_hidden_size = 4 * args.hidden_size
     return args
@@ -103,7 +102,7 @@ def test_changed_optimizer_flags_need_a_side(tmp_path, capsys, flags, saved_valu
     assert "from the checkpoint" in lines[0] and shown in lines[0], lines
     if flags[0] == "--train-iters":  # the run length is the command line's; the decay not
         assert args.train_iters == 500 and args.lr_decay_iters == 1000
-        assert pretrain_gpt.lr_at(300, args) == pretrain_gpt.lr_at(300, _args())
+        assert train.lr_at(300, args) == train.lr_at(300, _args())
     else:
         assert getattr(args, flags[0][2:].replace("-", "_")) == saved_value
     # The same values: nothing to decide; Megatron's spelling of the flags is accepted.
@@ -119,7 +118,7 @@ def test_the_decay_length_is_what_counts(tmp_path):
 
 def test_both_sides_at_once_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
-        pretrain_gpt.parse_args([*MODEL, "--override-opt-param-scheduler",
+        train.parse_args([*MODEL, "--override-opt-param-scheduler",
                                  "--use-checkpoint-opt-param-scheduler"])
     assert info.value.code == 2
     assert "contradict each other" in capsys.readouterr().err
@@ -292,14 +291,14 @@ _port = gpt_jobs.free_port
 
 
 def run(n: int, args: list[str], timeout: float = 400) -> tuple[list[int], list[str]]:
-    """``n`` ranks of pretrain_gpt.py (torchrun's environment): exit codes and logs."""
+    """``n`` ranks of train.py (torchrun's environment): exit codes and logs."""
     port = str(_port())
     procs = []
     for r in range(n):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RANK=str(r),
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, str(GPT_DIR / "pretrain_gpt.py"),
+        procs.append(subprocess.Popen([sys.executable, "-m", "examples.gpt.train",
                                        *TINY, *args], env=env, cwd=REPO, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, logs = [], []

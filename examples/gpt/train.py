@@ -2,12 +2,12 @@
 
 One process per GPU (or per CPU rank with ``--cpu``, gloo)::
 
-    torchrun --nproc-per-node 2 examples/gpt/pretrain_gpt.py --cpu \\
+    torchrun --nproc-per-node 2 -m examples.gpt.train --cpu \\
         --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 8 --global-batch-size 16 --train-iters 300 \\
         --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --log-file run.jsonl
 
-    torchrun --nproc-per-node 8 examples/gpt/pretrain_gpt.py --bf16 \\
+    torchrun --nproc-per-node 8 -m examples.gpt.train --bf16 \\
         --tensor-model-parallel-size 2 --distributed-optimizer-size 4 --overlap-param-sync ...
 
 The world is ``tp x pp x dp`` ranks (``mpzero.parallel_state``; the pipeline
@@ -27,7 +27,6 @@ import datetime
 import math
 import os
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -36,23 +35,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpzero import parallel_state
+from mpzero import tensor_parallel as tp
 
-import faults  # noqa: E402
-import pipeline  # noqa: E402
-
-from mpzero import parallel_state  # noqa: E402
-from mpzero import tensor_parallel as tp  # noqa: E402
-
-import arg_checks  # noqa: E402
-import checkpointing  # noqa: E402
-import compiling  # noqa: E402
-import data  # noqa: E402
-import logging_utils  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-import resume  # noqa: E402
-from model import (  # noqa: E402
+from . import (
+    arg_checks,
+    checkpointing,
+    compiling,
+    data,
+    faults,
+    logging_utils,
+    optim,
+    pipeline,
+    precision,
+    resume,
+)
+from .model import (
     ATTENTION_BACKENDS,
     GPT,
     flops_per_token,
@@ -232,7 +230,7 @@ def _free_port() -> int:
 
 def initialize(args) -> torch.device:
     """Process group (torchrun's env, or a world of one), parallel_state, seeds, threads."""
-    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m examples.gpt.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
