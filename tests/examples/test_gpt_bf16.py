@@ -1,7 +1,7 @@
 """``--bf16`` (bf16 parameters, fp32 master weights in the optimizer) of the GPT example,
 on a 2-rank gloo world (DP=2, two micro-batches per rank and step, clipping on):
 
-- DistributedFusedAdam (fp32 masters in its shards) and ``--optimizer adamw`` (torch
+- DistributedFusedAdam (fp32 masters in its shards) and bench/dp_adamw.py's baseline (torch
   AdamW on :class:`MasterWeights`' fp32 copies) log the same losses and grad norms
   within ``BF16_REL``; ``--store-param-remainders`` matches plain ``--bf16`` as closely;
   all three track the fp32 model within ``FP32_REL`` (bf16 trains soundly); the
@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench import dp_adamw
 from examples.gpt import checkpointing, compiling, optim, precision, train
 from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
@@ -63,7 +64,9 @@ def _build(name: str, bf16: bool, remainders: bool = False, seed: int = 1234,
     precision.cast_parameters(model, torch.bfloat16 if bf16 else torch.float32)
     if compile_mode:
         compiling.compile_model(model, compile_mode)
-    opt = optim.build_optimizer(name, model, device=torch.device(device),
+    if name == "adamw":  # the baseline, bench/dp_adamw.py
+        return model, dp_adamw.build_dp_adamw(model, **HP, **opts)
+    opt = optim.build_optimizer(model, device=torch.device(device),
                                 store_param_remainders=remainders, **HP, **opts)
     return model, opt
 
@@ -121,7 +124,7 @@ def check_setups(r: dict) -> None:
         assert r["compiled"][0] == pytest.approx(ref_losses, rel=2e-3)
 
 
-# The product's setups in the quick tier; the comparison baseline (``--optimizer adamw``,
+# The product's setups in the quick tier; the comparison baseline (bench/dp_adamw.py,
 # torch AdamW on MasterWeights) against DFA in `make test`.
 @pytest.mark.timeout(240)
 def test_bf16_dfa_and_remainders_agree_and_track_fp32(world):

@@ -60,7 +60,7 @@ def _train_pipeline(tp_size: int, pp_size: int, global_batch: int, opts: dict) -
                                  pipeline_model_parallel_size=pp_size)
     tp.model_parallel_manual_seed(SEED)
     model = pipeline.build_stage(GPTConfig(**CFG, **opts))
-    optimizer = build_optimizer("dfa", model, device=torch.device("cpu"),
+    optimizer = build_optimizer(model, device=torch.device("cpu"),
                                 bucket_cap_mb=0.01, **OPT)
     tied = pipeline.tie_embedding(model, optimizer)
     no_sync_entries = []

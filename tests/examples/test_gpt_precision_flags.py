@@ -64,8 +64,6 @@ def losses(log: Path) -> list[float]:
 @pytest.mark.parametrize("argv,flags", [
     (["--bf16", "--autocast-bf16"], ["--bf16", "--autocast-bf16"]),
     (["--store-param-remainders"], ["--store-param-remainders", "--bf16"]),
-    (["--bf16", "--store-param-remainders", "--optimizer", "adamw"],
-     ["--store-param-remainders", "--optimizer"]),
     (["--bf16", "--store-param-remainders", "--param-sync-dtype", "fp32"],
      ["--store-param-remainders", "--param-sync-dtype"]),
 ])

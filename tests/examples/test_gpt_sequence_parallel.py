@@ -59,7 +59,7 @@ def _sp_with_dfa(tp_size: int, extra: dict) -> dict:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     torch.manual_seed(1234)
     model = GPT(GPTConfig(**CFG, **{"sequence_parallel": True, **extra}))
-    opt = build_optimizer("dfa", model, device=torch.device("cpu"), **HP)
+    opt = build_optimizer(model, device=torch.device("cpu"), **HP)
     per = BATCH // dp
     x, y = ids[dp_rank * per:(dp_rank + 1) * per], targets[dp_rank * per:(dp_rank + 1) * per]
     losses, norms = [], []

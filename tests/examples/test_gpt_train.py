@@ -153,8 +153,6 @@ def test_data_parallel_run_tracks_single_rank(resume_runs, single):
 @pytest.mark.parametrize("layout", [
     ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"]),
     ("dp4-dist2x2", 4, ["--distributed-optimizer-size", "2", "--overlap-param-sync"]),
-    # The comparison optimizer (torch AdamW + gradient all-reduce) agrees with ZeRO too.
-    ("adamw-tp2", 2, ["--tensor-model-parallel-size", "2", "--optimizer", "adamw"]),
 ], ids=lambda layout: layout[0])
 def test_parallel_layout_tracks_single_rank(layout, data_dir, single, tmp_path):
     name, nproc, extra = layout
