@@ -24,12 +24,12 @@ demo: $(STAMP)
 	$(PY) -m mpzero.info
 	rm -rf $(DEMO_OUT)
 	OMP_NUM_THREADS=1 RAYON_NUM_THREADS=2 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 \
-	  examples/gpt/pretrain_gpt.py --cpu --num-layers 4 --hidden-size 128 \
+	  -m examples.gpt.train --cpu --num-layers 4 --hidden-size 128 \
 	  --num-attention-heads 4 --seq-length 64 --micro-batch-size 8 --global-batch-size 32 \
 	  --train-iters 300 --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 30 --clip-grad 1.0 \
 	  --log-interval 10 --eval-interval 100 --eval-iters 4 --save-interval 300 \
 	  --save $(DEMO_OUT)/checkpoints --log-file $(DEMO_OUT)/log.jsonl
-	$(PY) examples/gpt/plot_log.py $(DEMO_OUT)/log.jsonl --output $(DEMO_OUT)/curves.png \
+	$(PY) -m examples.gpt.plot_log $(DEMO_OUT)/log.jsonl --output $(DEMO_OUT)/curves.png \
 	  --title "tiny GPT, 2 CPU ranks, ZeRO-2"
 
 # One line per test as it starts and ends (-v), the slowest at the end (--durations).

@@ -34,12 +34,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "gpt"))
+# Run as a script from the checkout: the GPT example is the package examples.gpt.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from examples.gpt.model import GPT, GPTConfig
+from examples.gpt.optim import build_optimizer
+
+sys.path.insert(0, os.path.dirname(__file__))  # bench/: the baselines beside this script
+from dp_adamw import build_dp_adamw  # noqa: E402
 
 from mpzero import parallel_state  # noqa: E402
-
-from model import GPT, GPTConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
 
 GIB = 2**30
 
@@ -123,9 +127,9 @@ def measure(name: str, cfg: GPTConfig, world: int, args, device: torch.device) -
                                        **parallel_state.get_optimizer_process_groups())
             opt.init_param_buffer()
         else:
-            kind = "dfa" if name.startswith("mpzero DFA") else "adamw"
+            build = build_optimizer if name.startswith("mpzero DFA") else build_dp_adamw
             grad_dtype = torch.bfloat16 if "bf16 grads" in name else None
-            opt = build_optimizer(kind, model, lr=args.lr, weight_decay=0.1,
+            opt = build(model, lr=args.lr, weight_decay=0.1,
                                   betas=(0.9, 0.95), eps=1e-8, device=device,
                                   bucket_cap_mb=args.bucket_cap_mb, grad_sync_dtype=grad_dtype)
         g = torch.Generator(device="cpu").manual_seed(1)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-# The GPT example's model.py (and --compare-module's alternatives) import by name.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
+# The GPT example is the package examples.gpt (--compare-module: any module path).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {
     "default": {},
@@ -75,7 +75,8 @@ def main() -> None:
     if a.compare_module:
         print(json.dumps(run(a.compare_module, {}, a)), flush=True)
     for name in a.variants:
-        print(json.dumps({"name": name, **run("model", VARIANTS[name], a)}), flush=True)
+        row = run("examples.gpt.model", VARIANTS[name], a)
+        print(json.dumps({"name": name, **row}), flush=True)
     if a.compare_module:
         print(json.dumps(run(a.compare_module, {}, a)), flush=True)
 

@@ -13,7 +13,7 @@ same random tokens from the same seed; only the training wrapper differs:
 ``dfa``                   the example's ``--bf16``: bf16 parameters, DistributedFusedAdam
                           with fp32 masters in its shards
 ``dfa-remainders``        ``--bf16 --store-param-remainders`` (bf16 + int16 remainder)
-``adamw``                 the example's ``--bf16 --optimizer adamw``: torch AdamW on fp32
+``adamw``                 ``--bf16`` with bench/dp_adamw.py's DataParallelAdamW: torch AdamW on fp32
                           master copies, gradients all-reduced
 ========================  ==============================================================
 
@@ -44,15 +44,14 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "gpt"))
+# Run as a script from the checkout: the GPT example is the package examples.gpt.
+sys.path.insert(0, str(REPO))
 
+import dp_adamw  # noqa: E402  (bench/, beside this script)
+
+from examples.gpt import compiling, logging_utils, optim, precision  # noqa: E402
+from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
 from mpzero import parallel_state  # noqa: E402
-
-import compiling  # noqa: E402
-import logging_utils  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-from model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
 
 SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
 BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16
@@ -172,8 +171,9 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
         return Wrapped(model, model, opt, autocast=autocast, no_sync=no_sync,
                        clip=torch_clip)
     if setup in ("dfa", "dfa-remainders", "adamw"):
-        opt = optim.build_optimizer(
-            "adamw" if setup == "adamw" else "dfa", model, weight_decay=WEIGHT_DECAY,
+        build = dp_adamw.build_dp_adamw if setup == "adamw" else optim.build_optimizer
+        opt = build(
+            model, weight_decay=WEIGHT_DECAY,
             device=device, overlap_grad_sync=True, overlap_param_sync=a.overlap_param_sync,
             bucket_cap_mb=a.bucket_cap_mb,
             grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,

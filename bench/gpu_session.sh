@@ -48,12 +48,12 @@ stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report time and exit 
   [ "$rc" = 0 ] || status=1
 }
 
-gpt() {  # gpt TAG OPTIMIZER: a GPT-2-small-shaped model, bf16, one GPU
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py \
+gpt() {  # gpt TAG: a GPT-2-small-shaped model, bf16, one GPU
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train \
     --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 \
     --micro-batch-size 16 --global-batch-size 64 --train-iters 60 --bf16 \
     --lr 6e-4 --min-lr 6e-5 --lr-warmup-iters 10 --clip-grad 1.0 --log-interval 10 \
-    --eval-interval 60 --eval-iters 2 --no-progress --optimizer "$2" \
+    --eval-interval 60 --eval-iters 2 --no-progress \
     --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}" --log-file "$OUT/gpt-$1.jsonl"
 }
 
@@ -64,10 +64,10 @@ ckpt() {  # ckpt FORMAT: save at iteration 2, then resume for one more iteration
      --micro-batch-size 4 --global-batch-size 4 --bf16 --lr 1e-4 --log-interval 1
      --eval-interval 1000 --eval-iters 1 --no-progress --ckpt-format "$1"
      --data-dir "${GPT_DATA:-/tmp/mpzero-gpt-data}")
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train "${a[@]}" \
     --train-iters 2 --save "$d" --save-interval 2
   echo "checkpoint size ($1): $(du -sb "$d/iter_0000002" | cut -f1) bytes"
-  torchrun --standalone --nproc-per-node 1 examples/gpt/pretrain_gpt.py "${a[@]}" \
+  torchrun --standalone --nproc-per-node 1 -m examples.gpt.train "${a[@]}" \
     --train-iters 3 --load "$d"
   rm -rf "$d"
 }
@@ -83,8 +83,7 @@ for s in $stages; do
     kernels) stage kernels python3 bench/bench_adam_kernel.py --repeat 3 --placements 6 \
                --json "$OUT/bench_adam_kernel.json" ;;
     memory) stage memory python3 bench/bench_memory.py --bf16 --json "$OUT/bench_memory.json" ;;
-    gpt) stage gpt-dfa gpt dfa dfa
-         stage gpt-adamw gpt adamw adamw ;;
+    gpt) stage gpt-dfa gpt dfa ;;  # the adamw baseline: the peers stage (bench/dp_adamw.py)
     step) stage step python3 bench/bench_step.py --json "$OUT/bench_step.json" ;;
     ckpt) stage ckpt-torch_dist ckpt torch_dist
           stage ckpt-torch ckpt torch ;;

@@ -15,7 +15,7 @@ import sys
 
 import torch.distributed as dist
 
-from model import GPTConfig
+from .model import GPTConfig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -48,12 +48,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.store_param_remainders and not args.bf16:
         p.error("--store-param-remainders needs --bf16 (it stores the fp32 masters of bf16 "
                 "parameters as the parameter plus an int16 remainder)")
-    if args.store_param_remainders and args.optimizer != "dfa":
-        p.error(f"--store-param-remainders needs --optimizer dfa, got --optimizer "
-                f"{args.optimizer}")
-    if args.gradient_accumulation_fusion and args.optimizer != "dfa":
-        p.error(f"--gradient-accumulation-fusion needs --optimizer dfa, got --optimizer "
-                f"{args.optimizer}")
     if args.gelu_gemm_fusion and (not args.openai_gelu or args.swiglu):
         p.error("--gelu-gemm-fusion fuses GELU's tanh approximation: it needs --openai-gelu "
                 "and no --swiglu")
@@ -84,9 +78,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
              "one dtype; autocast mixes fp32 weights with bf16 activations)")
     if args.compile_mode is not None and not args.compile:
         warn(f"--compile-mode {args.compile_mode} has no effect without --compile")
-    if args.param_sync_dtype is not None and args.optimizer != "dfa":
-        warn(f"--param-sync-dtype has no effect with --optimizer {args.optimizer} (the "
-             "parameters are not gathered)")
     if args.eval_interval and args.eval_interval > args.train_iters:
         warn(f"--eval-interval ({args.eval_interval}) > --train-iters ({args.train_iters}): "
              "validation runs only at the end")
@@ -94,12 +85,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def grad_accumulation_fusion(args: argparse.Namespace, grad_acc: int) -> bool:
     """``--gradient-accumulation-fusion`` resolved: as given, or (None) on where it pays:
-    DistributedFusedAdam, several micro-batches per step and no autocast. With one
+    several micro-batches per step and no autocast. With one
     micro-batch the plain bf16 weight gradients are cheaper (at one rank the optimizer
     reads them as they are, with no fp32 buffer to fill)."""
     if args.gradient_accumulation_fusion is not None:
         return bool(args.gradient_accumulation_fusion)
-    return args.optimizer == "dfa" and grad_acc > 1 and not args.autocast_bf16
+    return grad_acc > 1 and not args.autocast_bf16
 
 
 def gelu_gemm_fusion(args: argparse.Namespace) -> bool:

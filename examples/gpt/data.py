@@ -52,8 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpointing import atomic_write_bytes
-from corpus import (
+from .checkpointing import atomic_write_bytes
+from .corpus import (
     FORMAT_VERSION,
     TEXT_SUFFIXES,
     CorpusConfig,
@@ -63,7 +63,7 @@ from corpus import (
     iter_documents,
     stdlib_files,
 )
-from indexed_dataset import (
+from .indexed_dataset import (
     INDEX_DTYPES,
     INDEX_MAGIC,
     INDEX_VERSION,
@@ -73,8 +73,8 @@ from indexed_dataset import (
     split_documents,
     write_indexed_dataset,
 )
-from sampling import GlobalBatchSampler, dp_slice, eval_starts, get_batch
-from tokenizing import EOT, EOT_NAMES, BPETokenizer, ByteTokenizer, tokenizer_from_file
+from .sampling import GlobalBatchSampler, dp_slice, eval_starts, get_batch
+from .tokenizing import EOT, EOT_NAMES, BPETokenizer, ByteTokenizer, tokenizer_from_file
 
 __all__ = [
     "DEFAULT_CACHE", "EOT", "EOT_NAMES", "FORMAT_VERSION", "INDEX_DTYPES", "INDEX_MAGIC",

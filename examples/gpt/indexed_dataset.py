@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpointing import atomic_write_bytes
-from corpus import CorpusConfig, iter_documents
-from tokenizing import BPETokenizer, ByteTokenizer, tokenizer_from_file
+from .checkpointing import atomic_write_bytes
+from .corpus import CorpusConfig, iter_documents
+from .tokenizing import BPETokenizer, ByteTokenizer, tokenizer_from_file
 
 # Megatron's indexed dataset: PREFIX.bin holds the token ids of every sequence back
 # to back; PREFIX.idx is the index, little-endian:

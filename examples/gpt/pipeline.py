@@ -63,8 +63,8 @@ import torch.distributed as dist
 
 from mpzero import parallel_state
 
-import optim
-from model import GPT, GPTConfig
+from . import optim
+from .model import GPT, GPTConfig
 
 TAG_FORWARD, TAG_BACKWARD = 1, 2
 _WARMED_UP: set = set()  # NCCL pipeline groups whose communicator exists

@@ -1,6 +1,6 @@
-"""Draw loss, learning rate, throughput and memory of pretrain_gpt.py's JSONL log(s) to a PNG.
+"""Draw loss, learning rate, throughput and memory of training logs (JSONL) to a PNG.
 
-    python examples/gpt/plot_log.py run.jsonl [other.jsonl ...] --output curves.png
+    python -m examples.gpt.plot_log run.jsonl [other.jsonl ...] --output curves.png
 """
 
 from __future__ import annotations

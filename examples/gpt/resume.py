@@ -4,7 +4,7 @@ and which side wins where the command line and the checkpoint differ.
 1. The checkpoint is chosen first (:func:`checkpointing.choose_checkpoint`, collective:
    the newest that verifies on every rank, or ``--load-iteration``); ``latest`` is
    never trusted. Every check below reads *that* checkpoint's manifest.
-2. Model shape (:data:`ARCH_ARGS`) and optimizer (``--optimizer``) must be the
+2. Model shape (:data:`ARCH_ARGS`) and optimizer (DistributedFusedAdam) must be the
    checkpoint's, else the run stops before anything is loaded.
 3. The lr schedule (``--lr --min-lr --lr-warmup-iters`` and the decay length,
    ``--lr-decay-iters`` or else ``--train-iters``) and the optimizer's hyperparameters
@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-import checkpointing
+from . import checkpointing
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
@@ -96,15 +96,16 @@ def _saved_optimizer(manifest: dict) -> str | None:
 
 
 def check_optimizer(args, ckpt: Path, manifest: dict) -> None:
-    """The checkpoint holds the state of this run's ``--optimizer`` (unless
-    ``--no-load-optim``: then only the model is loaded)."""
+    """The checkpoint holds a DistributedFusedAdam state, the example's optimizer (unless
+    ``--no-load-optim``: then only the model is loaded). Checkpoints of the former
+    ``--optimizer adamw`` baseline hold torch AdamW's state instead."""
     saved = _saved_optimizer(manifest)
-    if args.no_load_optim or saved is None or saved == args.optimizer:
+    if args.no_load_optim or saved in (None, "dfa"):
         return
     raise checkpointing.CheckpointMismatch(
         f"{ckpt} holds the state of --optimizer {saved} ({OPTIMIZER_NAMES.get(saved, saved)})"
-        f", this run has --optimizer {args.optimizer}: relaunch with --optimizer {saved}, or "
-        "add --no-load-optim to load the model only (the optimizer then starts afresh)")
+        ", this example trains with DistributedFusedAdam: add --no-load-optim to load the "
+        "model only (the optimizer then starts afresh)")
 
 
 def _decay_iters(a) -> int:

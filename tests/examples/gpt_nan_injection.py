@@ -1,31 +1,25 @@
 """The GPT example with NaN losses on chosen iterations (a test's fault, not a flag of
 the example):
 
-    python tests/examples/gpt_nan_injection.py --nan-iters 2,5 [pretrain_gpt.py flags]
+    python tests/examples/gpt_nan_injection.py --nan-iters 2,5 [train.py flags]
 
 Before the example's ``main`` runs, its ``train_step`` is wrapped: on the iterations of
 ``--nan-iters`` every micro-batch's loss is multiplied by NaN before the backward pass,
 so the loss and the gradient norm are NaN on every rank, as a diverging run's are. The
-rest is ``pretrain_gpt.py`` itself (its fault guard, ``run_guarded`` and exit codes).
+rest is ``train.py`` itself (its fault guard, ``run_guarded`` and exit codes).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-import faults  # noqa: E402
-
-import pretrain_gpt  # noqa: E402
+from examples.gpt import faults, train
 
 
 def install(nan_iters: set[int]) -> None:
-    """Wrap ``pretrain_gpt.train_step`` so the losses of ``nan_iters`` are NaN."""
-    real = pretrain_gpt.train_step
+    """Wrap ``train.train_step`` so the losses of ``nan_iters`` are NaN."""
+    real = train.train_step
     signature = inspect.signature(real)
 
     def train_step(*args, **kwargs):
@@ -41,7 +35,7 @@ def install(nan_iters: set[int]) -> None:
         finally:
             del model.forward  # the class's forward again
 
-    pretrain_gpt.train_step = train_step
+    train.train_step = train_step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated iterations whose losses are NaN")
     ours, rest = p.parse_known_args(argv)
     install({int(v) for v in ours.nan_iters.split(",") if v.strip()})
-    faults.run_guarded(pretrain_gpt.main, rest)
+    faults.run_guarded(train.main, rest)
 
 
 if __name__ == "__main__":

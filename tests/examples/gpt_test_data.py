@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-import data  # noqa: E402
+from examples.gpt import data
 
 
 def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int) -> Path:

@@ -1,7 +1,7 @@
 """``--bf16`` (bf16 parameters, fp32 master weights in the optimizer) of the GPT example,
 on a 2-rank gloo world (DP=2, two micro-batches per rank and step, clipping on):
 
-- DistributedFusedAdam (fp32 masters in its shards) and ``--optimizer adamw`` (torch
+- DistributedFusedAdam (fp32 masters in its shards) and bench/dp_adamw.py's baseline (torch
   AdamW on :class:`MasterWeights`' fp32 copies) log the same losses and grad norms
   within ``BF16_REL``; ``--store-param-remainders`` matches plain ``--bf16`` as closely;
   all three track the fp32 model within ``FP32_REL`` (bf16 trains soundly); the
@@ -15,8 +15,6 @@ on a 2-rank gloo world (DP=2, two micro-batches per rank and step, clipping on):
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,16 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from bench import dp_adamw
+from examples.gpt import checkpointing, compiling, optim, precision, train
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
-
-import checkpointing  # noqa: E402
-import compiling  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-import pretrain_gpt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -72,7 +64,9 @@ def _build(name: str, bf16: bool, remainders: bool = False, seed: int = 1234,
     precision.cast_parameters(model, torch.bfloat16 if bf16 else torch.float32)
     if compile_mode:
         compiling.compile_model(model, compile_mode)
-    opt = optim.build_optimizer(name, model, device=torch.device(device),
+    if name == "adamw":  # the baseline, bench/dp_adamw.py
+        return model, dp_adamw.build_dp_adamw(model, **HP, **opts)
+    opt = optim.build_optimizer(model, device=torch.device(device),
                                 store_param_remainders=remainders, **HP, **opts)
     return model, opt
 
@@ -83,7 +77,7 @@ def _train(model, opt, iters: range, tokens) -> tuple[list[float], list[float]]:
     for it in iters:
         for group in opt.param_groups:
             group["lr"] = HP["lr"] * (1.0 if it > 1 else 0.5)
-        loss, norm = pretrain_gpt.train_step(model, opt, tokens, _starts(it), ARGS, device,
+        loss, norm = train.train_step(model, opt, tokens, _starts(it), ARGS, device,
                                              contextlib.nullcontext)
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=ps.get_data_parallel_group())
         losses.append(float(loss))
@@ -130,7 +124,7 @@ def check_setups(r: dict) -> None:
         assert r["compiled"][0] == pytest.approx(ref_losses, rel=2e-3)
 
 
-# The product's setups in the quick tier; the comparison baseline (``--optimizer adamw``,
+# The product's setups in the quick tier; the comparison baseline (bench/dp_adamw.py,
 # torch AdamW on MasterWeights) against DFA in `make test`.
 @pytest.mark.timeout(240)
 def test_bf16_dfa_and_remainders_agree_and_track_fp32(world):

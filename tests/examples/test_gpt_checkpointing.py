@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-import checkpointing  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from examples.gpt import checkpointing
+from examples.gpt.model import GPT, GPTConfig
 
 CFG = dict(vocab_size=128, seq_length=8, num_layers=1, hidden_size=16, num_attention_heads=2)
 

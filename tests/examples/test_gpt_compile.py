@@ -9,20 +9,12 @@ its collectives run inside the compiled function.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from examples.gpt import arg_checks, compiling, train
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
-
-import arg_checks  # noqa: E402
-import compiling  # noqa: E402
-import pretrain_gpt  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -88,15 +80,15 @@ def _attention_backends():
         torch.testing.assert_close(out[backend][0], out["math"][0], rtol=1e-5, atol=1e-6)
         for g, ref in zip(out[backend][1], out["math"][1]):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
-    args = pretrain_gpt.parse_args(["--attention-backend", "cudnn"])
+    args = train.parse_args(["--attention-backend", "cudnn"])
     assert arg_checks.model_config(args, 256).attention_backend == "cudnn"
-    default = arg_checks.model_config(pretrain_gpt.parse_args([]), 256)
+    default = arg_checks.model_config(train.parse_args([]), 256)
     assert default.attention_backend == "auto"
     assert default.heads_grad_fusion  # --heads-grad-fusion is on unless turned off
-    off = arg_checks.model_config(pretrain_gpt.parse_args(["--no-heads-grad-fusion"]), 256)
+    off = arg_checks.model_config(train.parse_args(["--no-heads-grad-fusion"]), 256)
     assert not off.heads_grad_fusion
     assert default.layernorm_fusion  # --layernorm-fusion is on unless turned off
-    off = arg_checks.model_config(pretrain_gpt.parse_args(["--no-layernorm-fusion"]), 256)
+    off = arg_checks.model_config(train.parse_args(["--no-layernorm-fusion"]), 256)
     assert not off.layernorm_fusion
     ps.destroy_model_parallel()
     return True
@@ -112,4 +104,4 @@ def test_attention_backend_errors():
     with pytest.raises(ValueError, match="attention_backend"):
         GPTConfig(**CFG, attention_backend="fa3")
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(["--attention-backend", "fa3"])
+        train.parse_args(["--attention-backend", "fa3"])

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-import data  # noqa: E402
+from examples.gpt import data
 
 
 @pytest.fixture

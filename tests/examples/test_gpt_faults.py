@@ -22,16 +22,17 @@ from pathlib import Path
 
 import pytest
 
+from examples.gpt import checkpointing
+
 # Every test runs real multi-process jobs of the example: `make test` only.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
+GPT = ["-m", "examples.gpt.train"]  # run from the checkout (cwd, PYTHONPATH)
 # The example with NaN losses on chosen iterations (``--nan-iters``): a test-only wrapper.
 NAN_GPT = Path(__file__).resolve().parent / "gpt_nan_injection.py"
-sys.path.insert(0, str(GPT.parent))
 
-import checkpointing  # noqa: E402
+
 import gpt_jobs  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 
@@ -46,11 +47,11 @@ _port = gpt_jobs.free_port
 
 def launch(n: int, args: list[str], out: Path, env_extra: dict | None = None,
            preexec: dict | None = None, nan_iters: str | None = None) -> list:
-    """Start ``n`` ranks of pretrain_gpt.py (torchrun's environment, without torchrun),
+    """Start ``n`` ranks of train.py (torchrun's environment, without torchrun),
     tied to this test runner (gpt_jobs); ``preexec``: rank -> function run in that rank's
     process before it starts; ``nan_iters`` ("3,4"): the losses of those iterations are
     NaN (gpt_nan_injection.py)."""
-    script = [str(GPT)] if nan_iters is None else [str(NAN_GPT), "--nan-iters", nan_iters]
+    script = GPT if nan_iters is None else [str(NAN_GPT), "--nan-iters", nan_iters]
     port = str(_port())
     procs = []
     for r in range(n):

@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from examples.gpt import data
+
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
-sys.path.insert(0, str(GPT_DIR))
 
-import data  # noqa: E402
+
 import gpt_jobs  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def test_tokenizer_file_writes_decodable_documents(indexed):
 
 
 def test_load_data_rejects_a_vocabulary_that_does_not_fit(indexed, tmp_path):
-    import pretrain_gpt
+    from examples.gpt import train
 
     root, _, texts = indexed
     small = data.BPETokenizer.train(texts[:5], 300)
@@ -125,19 +126,19 @@ def test_load_data_rejects_a_vocabulary_that_does_not_fit(indexed, tmp_path):
     args = argparse.Namespace(data_path=str(root / "corpus"), split="969,30,1",
                               tokenizer_file=str(tmp_path / "small.json"), data_dir=None)
     with pytest.raises(ValueError, match="does not fit a vocabulary of 300"):
-        pretrain_gpt.load_data(args)
+        train.load_data(args)
     args.tokenizer_file = str(root / "tokenizer.json")
-    train, val, vocab = pretrain_gpt.load_data(args)
-    assert vocab == 512 and len(train) > 10 * len(val) > 0
+    train_tokens, val, vocab = train.load_data(args)
+    assert vocab == 512 and len(train_tokens) > 10 * len(val) > 0
     args.tokenizer_file = str(tmp_path / "missing.json")
     with pytest.raises(FileNotFoundError, match="missing.json"):
-        pretrain_gpt.load_data(args)
+        train.load_data(args)
 
 
 def _torchrun(nproc, extra, log):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), str(GPT_DIR / "pretrain_gpt.py"), "--num-layers", "2", "--hidden-size",
+           str(nproc), "-m", "examples.gpt.train", "--num-layers", "2", "--hidden-size",
            "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "4",
            "--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3",
            "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "0",

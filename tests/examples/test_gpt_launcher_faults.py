@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-GPT = REPO / "examples" / "gpt" / "pretrain_gpt.py"
-SBATCH = REPO / "examples" / "gpt" / "slurm" / "pretrain_gpt.sbatch"
-sys.path.insert(0, str(GPT.parent))
+from examples.gpt import checkpointing
 
-import checkpointing  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+GPT = ["-m", "examples.gpt.train"]  # run from the checkout (cwd, PYTHONPATH)
+SBATCH = REPO / "examples" / "gpt" / "slurm" / "pretrain_gpt.sbatch"
+
+
 import gpt_jobs  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
 
@@ -87,7 +88,7 @@ def wait_for(log: Path, pattern: str, proc: subprocess.Popen, timeout: float) ->
 
 def workers_of(torchrun: int) -> list[int]:
     return [p for p in gpt_jobs.descendants(torchrun)
-            if "pretrain_gpt.py" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+            if "examples.gpt.train" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> int | None:
@@ -212,7 +213,7 @@ def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
     timeout = 10
     log = tmp_path / "job.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", str(GPT), *TINY, "--data-dir", str(data_dir),
+           "--nproc-per-node", "2", *GPT, *TINY, "--data-dir", str(data_dir),
            "--train-iters", "100000", "--dist-timeout", str(timeout)]
     with open(log, "w") as out:
         proc = gpt_jobs.popen(cmd, death_signal=gpt_jobs.TORCHRUN_DEATH_SIGNAL,

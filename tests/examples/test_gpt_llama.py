@@ -6,18 +6,12 @@ cross entropy computes in fp32, so agreement is ~1e-7, bounded here at 1e-6)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from examples.gpt.model import GPT, GPTConfig, flops_per_token
 from mpzero import parallel_state as ps  # noqa: E402
-
-from model import GPT, GPTConfig, flops_per_token  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,

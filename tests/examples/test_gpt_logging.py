@@ -1,16 +1,14 @@
-"""examples/gpt/logging_utils.py and pretrain_gpt.py's flag checks (no training)."""
+"""examples/gpt/logging_utils.py and train.py's flag checks (no training)."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
-sys.path.insert(0, str(GPT_DIR))
+from examples.gpt import logging_utils, train
 
-import logging_utils  # noqa: E402
-import pretrain_gpt  # noqa: E402
+GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+
 
 INTERVAL = dict(loss=5.5, lr=1e-3, grad_norm=0.75, interval_s=2.0, interval_iters=10,
                 global_batch_size=32, seq_length=64, flops_per_token=1e6, world_size=2,
@@ -71,18 +69,18 @@ def test_other_ranks_write_nothing(tmp_path, capsys):
 ])
 def test_contradictory_flags_fail_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(argv)
+        train.parse_args(argv)
     assert flag in capsys.readouterr().err
 
 
 def test_warmup_longer_than_training_warns(capsys):
-    pretrain_gpt.parse_args(["--train-iters", "10", "--lr-warmup-iters", "20"])
+    train.parse_args(["--train-iters", "10", "--lr-warmup-iters", "20"])
     assert "--lr-warmup-iters (20) > --train-iters (10)" in capsys.readouterr().err
 
 
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(["--help"])
+        train.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "(default: 4)" in out and "(default: 0.0006)" in out
 
@@ -90,8 +88,7 @@ def test_help_shows_defaults(capsys):
 def test_architecture_checked_before_anything_is_loaded(tmp_path):
     import argparse
 
-    import checkpointing
-    import resume
+    from examples.gpt import checkpointing, resume
 
     ckpt = checkpointing.iteration_dir(tmp_path, 10)
     ckpt.mkdir(parents=True)

@@ -7,7 +7,7 @@ this (single) process with ``torch.optim.AdamW`` and ``clip_grad_norm_`` over
 the same global batches. Loss and grad norm per iteration, and every updated
 weight (the last stage's ``wte`` copy too), agree within 1e-5 (fp32, relative
 for loss and norm, absolute + relative for weights). And the flag end to end:
-``pretrain_gpt.py --pipeline-model-parallel-size 2`` under torchrun logs a
+``train.py --pipeline-model-parallel-size 2`` under torchrun logs a
 single-rank run's losses, grad norms and validation losses.
 """
 
@@ -21,19 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
-import pipeline  # noqa: E402
-
+from examples.gpt import data, pipeline
+from examples.gpt.model import GPT, GPTConfig
+from examples.gpt.optim import build_optimizer
+from examples.gpt.plot_log import read_log
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
 from mpzero.testing import run_on_world  # noqa: E402
 
-import data  # noqa: E402
 import gpt_jobs  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
-from plot_log import read_log  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=4, hidden_size=32, num_attention_heads=4)
 SEED, STEPS, MICRO = 1234, 3, 2
@@ -64,7 +60,7 @@ def _train_pipeline(tp_size: int, pp_size: int, global_batch: int, opts: dict) -
                                  pipeline_model_parallel_size=pp_size)
     tp.model_parallel_manual_seed(SEED)
     model = pipeline.build_stage(GPTConfig(**CFG, **opts))
-    optimizer = build_optimizer("dfa", model, device=torch.device("cpu"),
+    optimizer = build_optimizer(model, device=torch.device("cpu"),
                                 bucket_cap_mb=0.01, **OPT)
     tied = pipeline.tie_embedding(model, optimizer)
     no_sync_entries = []
@@ -186,13 +182,12 @@ CLI = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path, precision):
-    """``pretrain_gpt.py --pipeline-model-parallel-size 2`` (torchrun, 2 ranks) logs the
+    """``train.py --pipeline-model-parallel-size 2`` (torchrun, 2 ranks) logs the
     losses, grad norms and validation losses of a single-rank run (1e-5 relative; with
     ``--bf16`` the stages send bf16 activations, 1e-3: a rare parameter rounds the other
     way after a differently ordered grad norm)."""
     tol = TOL if precision == "fp32" else 1e-3
     repo = Path(__file__).resolve().parents[2]
-    script = repo / "examples" / "gpt" / "pretrain_gpt.py"
     data.prepare(data.CorpusConfig(max_mb=0.5, vocab_size=1024), tmp_path / "data", quiet=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     logs = {}
@@ -201,7 +196,7 @@ def test_pretrain_gpt_pipeline_flag_matches_single_rank(tmp_path, precision):
         logs[name] = tmp_path / f"{name}.jsonl"
         extra = ["--pipeline-model-parallel-size", "2"] if name == "pp2" else []
         extra += ["--bf16"] if precision == "bf16" else []
-        cmd = [sys.executable, *launcher, str(script), *CLI, *extra, "--data-dir",
+        cmd = [sys.executable, *launcher, "-m", "examples.gpt.train", *CLI, *extra, "--data-dir",
                str(tmp_path / "data"), "--log-file", str(logs[name])]
         proc = gpt_jobs.run(cmd, timeout=450, env=env, cwd=repo)
         assert proc.returncode == 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

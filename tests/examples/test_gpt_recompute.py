@@ -5,18 +5,12 @@ parallelism (residual dropout then draws from it too)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
-
-from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=3, hidden_size=32, num_attention_heads=4,
            dropout=0.2)

@@ -21,16 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.gpt import checkpointing, resume, train
+from examples.gpt.model import GPT, GPTConfig
+
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
-sys.path.insert(0, str(GPT_DIR))
 
-import checkpointing  # noqa: E402
+
 import gpt_jobs  # noqa: E402
-import pretrain_gpt  # noqa: E402
-import resume  # noqa: E402
 from gpt_test_data import prepared_corpus  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,24 +38,28 @@ MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2
 
 
 def _args(*extra: str, load: Path | None = None):
-    """The command line as pretrain_gpt.main sees it before resuming (with the sizes it
+    """The command line as train.main sees it before resuming (with the sizes it
     computes from the data)."""
     argv = [*MODEL, *extra] + (["--load", str(load)] if load is not None else [])
-    args = pretrain_gpt.parse_args(argv)
+    args = train.parse_args(argv)
     args.padded_vocab_size = 128
     args.ffn_hidden_size = 4 * args.hidden_size
     return args
 
 
-def _save(root: Path, iteration: int, *extra: str, ckpt_format: str = "torch") -> Path:
-    """A real checkpoint (one process) whose manifest records the command line."""
+def _save(root: Path, iteration: int, *extra: str, ckpt_format: str = "torch",
+          optimizer: str | None = None) -> Path:
+    """A real checkpoint (one process) whose manifest records the command line
+    (``optimizer``: the ``--optimizer`` the example had before it trained only with
+    DistributedFusedAdam, as such a checkpoint records it)."""
     args = _args(*extra)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, seq_length=8, num_layers=1, hidden_size=16,
                           num_attention_heads=args.num_attention_heads))
     opt = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.lr,
                             betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    return checkpointing.save_checkpoint(root, iteration, model, opt, args=vars(args),
+    saved = vars(args) if optimizer is None else {**vars(args), "optimizer": optimizer}
+    return checkpointing.save_checkpoint(root, iteration, model, opt, args=saved,
                                          data_state={}, ckpt_format=ckpt_format)
 
 
@@ -103,7 +106,7 @@ def test_changed_optimizer_flags_need_a_side(tmp_path, capsys, flags, saved_valu
     assert "from the checkpoint" in lines[0] and shown in lines[0], lines
     if flags[0] == "--train-iters":  # the run length is the command line's; the decay not
         assert args.train_iters == 500 and args.lr_decay_iters == 1000
-        assert pretrain_gpt.lr_at(300, args) == pretrain_gpt.lr_at(300, _args())
+        assert train.lr_at(300, args) == train.lr_at(300, _args())
     else:
         assert getattr(args, flags[0][2:].replace("-", "_")) == saved_value
     # The same values: nothing to decide; Megatron's spelling of the flags is accepted.
@@ -119,7 +122,7 @@ def test_the_decay_length_is_what_counts(tmp_path):
 
 def test_both_sides_at_once_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
-        pretrain_gpt.parse_args([*MODEL, "--override-opt-param-scheduler",
+        train.parse_args([*MODEL, "--override-opt-param-scheduler",
                                  "--use-checkpoint-opt-param-scheduler"])
     assert info.value.code == 2
     assert "contradict each other" in capsys.readouterr().err
@@ -134,17 +137,14 @@ def test_no_load_optim_takes_optimizer_flags_from_the_command_line(tmp_path):
 
 
 def test_other_optimizer_is_refused_naming_the_flag(tmp_path):
-    _save(tmp_path, 5, "--optimizer", "dfa")
+    _save(tmp_path, 5, optimizer="dfa")
+    resume.prepare(_args(load=tmp_path))
+    _save(tmp_path, 6, optimizer="adamw")  # the former --optimizer adamw baseline's
     with pytest.raises(checkpointing.CheckpointMismatch,
-                       match="holds the state of --optimizer dfa .*this run has --optimizer "
-                             "adamw: relaunch with --optimizer dfa, or add --no-load-optim"):
-        resume.prepare(_args("--optimizer", "adamw", load=tmp_path))
-    resume.prepare(_args("--optimizer", "adamw", "--no-load-optim", load=tmp_path))
-    _save(tmp_path, 6, "--optimizer", "adamw")  # and the reverse
-    with pytest.raises(checkpointing.CheckpointMismatch,
-                       match="holds the state of --optimizer adamw .*this run has --optimizer "
-                             "dfa: relaunch with --optimizer adamw"):
+                       match="holds the state of --optimizer adamw .*this example trains "
+                             "with DistributedFusedAdam: add --no-load-optim"):
         resume.prepare(_args(load=tmp_path))
+    resume.prepare(_args("--no-load-optim", load=tmp_path))
 
 
 def _dfa_state_into_adamw(root: str, fmt: str):
@@ -292,14 +292,14 @@ _port = gpt_jobs.free_port
 
 
 def run(n: int, args: list[str], timeout: float = 400) -> tuple[list[int], list[str]]:
-    """``n`` ranks of pretrain_gpt.py (torchrun's environment): exit codes and logs."""
+    """``n`` ranks of train.py (torchrun's environment): exit codes and logs."""
     port = str(_port())
     procs = []
     for r in range(n):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), RANK=str(r),
                    WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, str(GPT_DIR / "pretrain_gpt.py"),
+        procs.append(subprocess.Popen([sys.executable, "-m", "examples.gpt.train",
                                        *TINY, *args], env=env, cwd=REPO, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     codes, logs = [], []
@@ -353,7 +353,6 @@ def test_resume_refusals_end_to_end(tp1, data_dir, tmp_path):
         (["--num-attention-heads", "4"], "has num_attention_heads=2, this run has "
                                          "--num-attention-heads=4"),
         (["--adam-beta1", "0.8"], "--adam-beta1 is 0.9 in the checkpoint, 0.8 here"),
-        (["--optimizer", "adamw"], "holds the state of --optimizer dfa"),
     ]
     for extra, message in cases:
         codes, logs = run(1, [*base, *extra])

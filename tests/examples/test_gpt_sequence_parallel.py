@@ -6,19 +6,13 @@ norm."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
-
+from examples.gpt.model import GPT, GPTConfig
+from examples.gpt.optim import build_optimizer
 from mpzero import parallel_state as ps  # noqa: E402
-
-from model import GPT, GPTConfig  # noqa: E402
-from optim import build_optimizer  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -65,7 +59,7 @@ def _sp_with_dfa(tp_size: int, extra: dict) -> dict:
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     torch.manual_seed(1234)
     model = GPT(GPTConfig(**CFG, **{"sequence_parallel": True, **extra}))
-    opt = build_optimizer("dfa", model, device=torch.device("cpu"), **HP)
+    opt = build_optimizer(model, device=torch.device("cpu"), **HP)
     per = BATCH // dp
     x, y = ids[dp_rank * per:(dp_rank + 1) * per], targets[dp_rank * per:(dp_rank + 1) * per]
     losses, norms = [], []

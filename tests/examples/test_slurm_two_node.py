@@ -40,17 +40,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from examples.gpt import checkpointing, data
+from examples.gpt.model import GPT, GPTConfig
+from examples.gpt.plot_log import read_log
 from mpzero.checkpoint import dcp as mdcp
 
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
 SBATCH = GPT_DIR / "slurm" / "pretrain_gpt.sbatch"
-sys.path.insert(0, str(GPT_DIR))
 
-import checkpointing  # noqa: E402
-import data  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from plot_log import read_log  # noqa: E402
 
 HOSTS = Path("/etc/hosts")
 HOSTS_LOCK = Path("/run/lock/mpzero-slurm-test-hosts.lock")
@@ -447,7 +445,7 @@ def test_sbatch_preemption_saves_and_resumes(cluster):
     for ns in cluster.ns[1:]:
         pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()
         left = [p for p in pids
-                if "pretrain_gpt" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+                if "examples.gpt.train" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
         assert not left, (ns, left)
     # A second job resumes from the pre-emption's checkpoint and completes.
     job_id = _submit(cluster, work, ["--train-iters", str(it + 2), "--data-dir",

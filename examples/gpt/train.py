@@ -2,12 +2,12 @@
 
 One process per GPU (or per CPU rank with ``--cpu``, gloo)::
 
-    torchrun --nproc-per-node 2 examples/gpt/pretrain_gpt.py --cpu \\
+    torchrun --nproc-per-node 2 -m examples.gpt.train --cpu \\
         --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 8 --global-batch-size 16 --train-iters 300 \\
         --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --log-file run.jsonl
 
-    torchrun --nproc-per-node 8 examples/gpt/pretrain_gpt.py --bf16 \\
+    torchrun --nproc-per-node 8 -m examples.gpt.train --bf16 \\
         --tensor-model-parallel-size 2 --distributed-optimizer-size 4 --overlap-param-sync ...
 
 The world is ``tp x pp x dp`` ranks (``mpzero.parallel_state``; the pipeline
@@ -27,34 +27,34 @@ import datetime
 import math
 import os
 import socket
-import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpzero import parallel_state
+from mpzero import tensor_parallel as tp
 
-import faults  # noqa: E402
-import pipeline  # noqa: E402
-
-from mpzero import parallel_state  # noqa: E402
-from mpzero import tensor_parallel as tp  # noqa: E402
-
-import arg_checks  # noqa: E402
-import checkpointing  # noqa: E402
-import compiling  # noqa: E402
-import data  # noqa: E402
-import logging_utils  # noqa: E402
-import optim  # noqa: E402
-import precision  # noqa: E402
-import resume  # noqa: E402
-from model import (  # noqa: E402
+from . import (
+    arg_checks,
+    checkpointing,
+    compiling,
+    data,
+    faults,
+    logging_utils,
+    optim,
+    pipeline,
+    precision,
+    resume,
+)
+from .model import (
     ATTENTION_BACKENDS,
     GPT,
+    GPTConfig,
     flops_per_token,
     padded_vocab_size,
 )
@@ -141,8 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
                    default=False, help="all-gather parameters in the next forward pass")
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
-    g.add_argument("--optimizer", choices=["dfa", "adamw"], default="dfa",
-                   help="dfa: DistributedFusedAdam (ZeRO-2); adamw: torch AdamW + all-reduce")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="the linear layers' weight-gradient GEMMs add into the optimizer's "
@@ -232,15 +230,15 @@ def _free_port() -> int:
 
 def initialize(args) -> torch.device:
     """Process group (torchrun's env, or a world of one), parallel_state, seeds, threads."""
-    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m examples.gpt.train`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if not args.cpu and not torch.cuda.is_available():
+    cpu = args.cpu or not torch.cuda.is_available()
+    if not args.cpu and cpu:
         warnings.warn("no CUDA device: running on CPU with gloo (pass --cpu to silence this)",
                       stacklevel=2)
-        args.cpu = True
-    if args.cpu:
+    if cpu:
         device = torch.device("cpu")
         local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(args.num_threads or max(1, (os.cpu_count() or 1) // local_ws))
@@ -369,36 +367,72 @@ def evaluate(model, val_tokens, args, device, autocast) -> float:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> None:
+def resolve_args(args: argparse.Namespace, device: torch.device,
+                 vocab_size: int) -> argparse.Namespace:
+    """The command line completed with what it leaves to the run (the only place these are
+    decided): the device, the global batch, gradient-accumulation fusion, the padded
+    vocabulary and the MLP width. Returns a new namespace; ``args`` is left as parsed."""
+    dp = parallel_state.get_data_parallel_world_size()
+    global_batch = args.global_batch_size or args.micro_batch_size * dp
+    if global_batch % (args.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size ({global_batch}) must be a multiple of "
+                         f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
+                         f"{dp})")
+    out = argparse.Namespace(**vars(args))
+    out.cpu, out.global_batch_size = device.type == "cpu", global_batch
+    out.gradient_accumulation_fusion = arg_checks.grad_accumulation_fusion(
+        args, global_batch // (args.micro_batch_size * dp))
+    out.padded_vocab_size = padded_vocab_size(vocab_size, args.tensor_model_parallel_size,
+                                              args.make_vocab_size_divisible_by)
+    out.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    return out
+
+
+@dataclass
+class Run:
+    """What :func:`build` makes and :func:`train` drives."""
+
+    args: argparse.Namespace  # resolved (resolve_args); only resume may change the lr schedule
+    device: torch.device
+    cfg: GPTConfig
+    model: torch.nn.Module
+    optimizer: object  # DistributedFusedAdam
+    tied: object  # pipeline.TiedEmbedding of a first/last pipeline stage, else None
+    sampler: data.GlobalBatchSampler
+    guard: faults.FaultGuard
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    vocab_size: int  # of the data (the model's is padded)
+    autocast: object  # () -> context manager
+    iteration: int = 0  # the last one done (a resumed run starts after it)
+
+    @property
+    def grad_acc(self) -> int:
+        dp = parallel_state.get_data_parallel_world_size()
+        return self.args.global_batch_size // (self.args.micro_batch_size * dp)
+
+
+def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, torch.device]:
+    """Flags, process groups, seeds; the save directory checked on every rank."""
     args = parse_args(argv)
     device = initialize(args)
     if args.save:  # every rank, before anything is trained, not at the first save
         faults.check_save_dir(args.save)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dp = parallel_state.get_data_parallel_world_size()
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ValueError(f"--global-batch-size ({args.global_batch_size}) must be a multiple of "
-                         f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
-                         f"{dp})")
-    grad_acc = args.global_batch_size // (args.micro_batch_size * dp)
-    args.gradient_accumulation_fusion = arg_checks.grad_accumulation_fusion(args, grad_acc)
-    if args.autocast_bf16 and device.type == "cpu" and rank == 0:
-        print("note: --autocast-bf16 is for GPUs; computing in fp32 on CPU")
-    autocast = precision.autocast_factory(args, device)
-    precision_name = precision.describe(args, device)
+    return args, device
 
+
+def build(args: argparse.Namespace, device: torch.device) -> Run:
+    """Data, model (or pipeline stage), optimizer, sampler and fault guard; resumes from
+    ``--load``."""
     train_tokens, val_tokens, vocab_size = load_data(args)
-    meta = {"vocab_size": vocab_size}
-    args.padded_vocab_size = padded_vocab_size(vocab_size, args.tensor_model_parallel_size,
-                                               args.make_vocab_size_divisible_by)
+    args = resolve_args(args, device, vocab_size)
+    if args.autocast_bf16 and device.type == "cpu" and dist.get_rank() == 0:
+        print("note: --autocast-bf16 is for GPUs; computing in fp32 on CPU")
     cfg = arg_checks.model_config(args, args.padded_vocab_size)
-    args.ffn_hidden_size = cfg.ffn_hidden_size
     if args.pipeline_model_parallel_size > 1:
-        if args.optimizer != "dfa" or args.save or args.load:
-            raise ValueError("--pipeline-model-parallel-size > 1 needs --optimizer dfa and "
-                             "does not support --save/--load yet")
+        if args.save or args.load:
+            raise ValueError("--pipeline-model-parallel-size > 1 does not support "
+                             "--save/--load yet")
         model = pipeline.build_stage(cfg).to(device)
     else:
         model = GPT(cfg).to(device)
@@ -408,11 +442,10 @@ def main(argv: list[str] | None = None) -> None:
                 if args.compile else [])
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}
     optimizer = optim.build_optimizer(
-        args.optimizer, model, lr=args.lr, weight_decay=args.weight_decay,
+        model, lr=args.lr, weight_decay=args.weight_decay,
         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, device=device,
         overlap_grad_sync=args.overlap_grad_sync, overlap_param_sync=args.overlap_param_sync,
-        bucket_cap_mb=args.bucket_cap_mb,
-        grad_sync_dtype=torch.bfloat16 if args.grad_sync_dtype == "bf16" else None,
+        bucket_cap_mb=args.bucket_cap_mb, grad_sync_dtype=dtypes[args.grad_sync_dtype],
         param_sync_dtype=dtypes[args.param_sync_dtype],
         store_param_remainders=args.store_param_remainders, compiled_units=compiled,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion)
@@ -421,115 +454,133 @@ def main(argv: list[str] | None = None) -> None:
         optim.prepare_grad_accumulation_fusion(optimizer)
     sampler = data.GlobalBatchSampler(len(train_tokens), args.seq_length,
                                       args.global_batch_size, args.seed)
-
     guard = faults.FaultGuard(check_nan=args.check_for_nan_in_loss_and_grad,
                               max_skipped=args.max_consecutive_skipped_iters,
                               exit_duration_mins=args.exit_duration_in_mins, device=device)
-    iteration = 0
+    run = Run(args, device, cfg, model, optimizer, tied, sampler, guard, train_tokens,
+              val_tokens, vocab_size, precision.autocast_factory(args, device))
     if args.load:  # checked against the run before anything is loaded (resume.py)
-        iteration = resume.resume(args, model, optimizer, sampler, rank)
+        run.iteration = resume.resume(args, model, optimizer, sampler, dist.get_rank())
+    return run
 
-    flops_tok = flops_per_token(cfg)
-    peak = logging_utils.peak_tflops(args, device)
-    if rank == 0:
-        print(f"GPT: {model.num_parameters() / 1e6:.2f}M parameters, vocab "
-              f"{meta['vocab_size']} (padded {cfg.vocab_size}), world {world} = tp "
+
+def start_log(run: Run) -> logging_utils.TrainLogger:
+    """Print the run's shape (rank 0) and open the logs with it."""
+    args, world = run.args, dist.get_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
+    precision_name = precision.describe(args, run.device)
+    dist_size = parallel_state.get_distributed_optimizer_world_size()
+    redundant = parallel_state.get_redundant_optimizer_world_size()
+    if dist.get_rank() == 0:
+        print(f"GPT: {run.model.num_parameters() / 1e6:.2f}M parameters, vocab "
+              f"{run.vocab_size} (padded {run.cfg.vocab_size}), world {world} = tp "
               f"{args.tensor_model_parallel_size} x pp {args.pipeline_model_parallel_size} x "
-              f"dp {dp}; optimizer {args.optimizer} over "
-              f"distributed {parallel_state.get_distributed_optimizer_world_size()} x redundant "
-              f"{parallel_state.get_redundant_optimizer_world_size()}; global batch "
-              f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {dp} x grad-acc "
-              f"{grad_acc}"
+              f"dp {dp}; optimizer DistributedFusedAdam over distributed {dist_size} x "
+              f"redundant {redundant}; global batch {args.global_batch_size} = micro "
+              f"{args.micro_batch_size} x dp {dp} x grad-acc {run.grad_acc}"
               f"{' (accumulated in the GEMMs)' if args.gradient_accumulation_fusion else ''}; "
-              f"{device.type} {precision_name}"
+              f"{run.device.type} {precision_name}"
               f"{' compiled (' + (args.compile_mode or 'block') + ')' if args.compile else ''}"
-              f"{'; MLP: bias + GELU in the GEMMs' if cfg.gelu_gemm_fusion else ''}",
+              f"{'; MLP: bias + GELU in the GEMMs' if run.cfg.gelu_gemm_fusion else ''}",
               flush=True)
-
     # Which node each rank runs on, so the log shows what the optimizer groups span.
     nodes: list = [None] * world
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-    log = logging_utils.TrainLogger(enabled=rank == 0, train_iters=args.train_iters,
-                                    start_iteration=iteration, log_file=args.log_file,
+    log = logging_utils.TrainLogger(enabled=dist.get_rank() == 0,
+                                    train_iters=args.train_iters,
+                                    start_iteration=run.iteration, log_file=args.log_file,
                                     tensorboard_dir=args.tensorboard_dir,
                                     progress=False if args.no_progress else None)
-    log.setup({"iteration": iteration, "world_size": world,
+    log.setup({"iteration": run.iteration, "world_size": world,
                "tensor_model_parallel_size": args.tensor_model_parallel_size,
                "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-               "data_parallel_size": dp, "grad_acc": grad_acc, "optimizer": args.optimizer,
-               "distributed_optimizer_size":
-                   parallel_state.get_distributed_optimizer_world_size(),
-               "redundant_optimizer_size": parallel_state.get_redundant_optimizer_world_size(),
+               "data_parallel_size": dp, "grad_acc": run.grad_acc, "optimizer": "dfa",
+               "distributed_optimizer_size": dist_size, "redundant_optimizer_size": redundant,
                "distributed_group_ranks": dist.get_process_group_ranks(
                    parallel_state.get_distributed_optimizer_group()),
-               "nodes": nodes, "parameters": model.num_parameters(),
-               "flops_per_token": flops_tok, "device": device.type,
+               "nodes": nodes, "parameters": run.model.num_parameters(),
+               "flops_per_token": flops_per_token(run.cfg), "device": run.device.type,
                "bf16": precision_name != "fp32", "precision": precision_name,
                "compile": (args.compile_mode or "block") if args.compile else None})
-    dp_group = parallel_state.get_data_parallel_group()
-    interval_losses, interval_norms = [], []
-    t_interval, iters_interval = time.perf_counter(), 0
+    return log
 
-    def save(it: int) -> None:
-        try:
-            checkpointing.save_checkpoint(args.save, it, model, optimizer,
-                                          data_state=sampler.state_dict(), args=vars(args),
-                                          ckpt_format=args.ckpt_format)
-        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is no Exception
-            if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
-                    faults.disk_error(e) is None and faults.is_comm_error(e)):
-                raise  # another rank died: run_guarded says so
-            raise faults.save_failed(args.save, it, e, checkpointing.read_latest(args.save)) from e
+
+def save(run: Run, iteration: int) -> None:
+    """Checkpoint ``--save`` at ``iteration``; a failed save says why (faults.py)."""
+    args = run.args
+    try:
+        checkpointing.save_checkpoint(args.save, iteration, run.model, run.optimizer,
+                                      data_state=run.sampler.state_dict(), args=vars(args),
+                                      ckpt_format=args.ckpt_format)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is no Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or (
+                faults.disk_error(e) is None and faults.is_comm_error(e)):
+            raise  # another rank died: run_guarded says so
+        raise faults.save_failed(args.save, iteration, e,
+                                 checkpointing.read_latest(args.save)) from e
+
+
+def log_interval(run: Run, log, iteration: int, lr: float, losses: list, norms: list,
+                 seconds: float, iters: int) -> None:
+    """One log line: the interval's losses averaged over DP, memory the max over ranks."""
+    args, device = run.args, run.device
+    loss = torch.stack(losses).to(device)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=parallel_state.get_data_parallel_group())
+    mem = torch.tensor([logging_utils.memory_gib(device)], device=device)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    log.train(iteration=iteration, loss=float(loss.mean()), lr=lr,
+              grad_norm=float(torch.stack(norms).mean()), interval_s=seconds,
+              interval_iters=iters, global_batch_size=args.global_batch_size,
+              seq_length=args.seq_length, flops_per_token=flops_per_token(run.cfg),
+              world_size=dist.get_world_size(),
+              peak_tflops=logging_utils.peak_tflops(args, device), memory_gib=float(mem),
+              memory_kind=logging_utils.memory_kind(device))
+
+
+def train(run: Run) -> None:
+    """The training loop: lr, step, log, evaluate, save, stop (``--exit-*`` or a signal)."""
+    args, guard = run.args, run.guard
+    log = start_log(run)
 
     def run_eval(it: int) -> None:
-        val = evaluate(model, val_tokens, args, device, autocast)
-        log.eval(it, val)
+        log.eval(it, evaluate(run.model, run.val_tokens, args, run.device, run.autocast))
 
+    losses, norms = [], []
+    t_interval, iters_interval = time.perf_counter(), 0
+    iteration = run.iteration
     while iteration < args.train_iters:
         iteration += 1
         lr = lr_at(iteration, args)
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
-        loss, norm = train_step(model, optimizer, train_tokens, sampler.next_batch(), args,
-                                device, autocast, tied, guard, iteration)
-        interval_losses.append(loss)
-        interval_norms.append(norm)
+        loss, norm = train_step(run.model, run.optimizer, run.train_tokens,
+                                run.sampler.next_batch(), args, run.device, run.autocast,
+                                run.tied, guard, iteration)
+        losses.append(loss)
+        norms.append(norm)
         iters_interval += 1
         log.step()
-
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            losses = torch.stack(interval_losses).to(device)
-            dist.all_reduce(losses, op=dist.ReduceOp.AVG, group=dp_group)
-            mem = torch.tensor([logging_utils.memory_gib(device)], device=device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            log.train(iteration=iteration, loss=float(losses.mean()), lr=lr,
-                      grad_norm=float(torch.stack(interval_norms).mean()),
-                      interval_s=time.perf_counter() - t_interval,
-                      interval_iters=iters_interval, global_batch_size=args.global_batch_size,
-                      seq_length=args.seq_length, flops_per_token=flops_tok, world_size=world,
-                      peak_tflops=peak, memory_gib=float(mem),
-                      memory_kind=logging_utils.memory_kind(device))
-            interval_losses, interval_norms = [], []
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)
+            log_interval(run, log, iteration, lr, losses, norms,
+                         time.perf_counter() - t_interval, iters_interval)
+            losses, norms = [], []
             t_interval, iters_interval = None, 0
-
         if args.eval_interval and iteration % args.eval_interval == 0:
             run_eval(iteration)
-        saved = False
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save(iteration)
-            saved = True
+        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if saved:
+            save(run, iteration)
+        stop = None
         if args.exit_interval and iteration % args.exit_interval == 0:
+            stop = "--exit-interval"
+        elif guard.exit_requested:  # the same on every rank (agreed in train_step)
+            stop = guard.exit_reason
+        if stop is not None:
             if args.save and not saved:
-                save(iteration)
-            log.message(f"exiting at iteration {iteration} (--exit-interval)")
-            break
-        if guard.exit_requested:  # the same on every rank (agreed in train_step)
-            if args.save and not saved:
-                save(iteration)
-            if rank == 0:
-                log.message(f"exiting at iteration {iteration} ({guard.exit_reason})")
+                save(run, iteration)
+            log.message(f"exiting at iteration {iteration} ({stop})")
             break
         if t_interval is None:  # restart the clock after logging, eval and saving
             t_interval = time.perf_counter()
@@ -537,9 +588,16 @@ def main(argv: list[str] | None = None) -> None:
         if not (args.eval_interval and iteration % args.eval_interval == 0):
             run_eval(iteration)
         if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-            save(iteration)
+            save(run, iteration)
     log.close()
-    guard.restore()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Set up, build, train, tear down."""
+    args, device = setup(argv)
+    run = build(args, device)
+    train(run)
+    run.guard.restore()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
