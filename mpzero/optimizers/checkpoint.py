@@ -39,6 +39,8 @@ def _group_meta(opt) -> list[dict]:
     out, start = [], 0
     for group in opt.param_groups:
         meta = {k: v for k, v in group.items() if k != "params"}
+        if isinstance(meta.get("lr"), torch.Tensor):  # capturable: the device lr saves as a number
+            meta["lr"] = float(meta["lr"])
         meta["params"] = list(range(start, start + len(group["params"])))
         start += len(group["params"])
         out.append(meta)
@@ -65,7 +67,11 @@ def _commit_targets(opt, b: int, targets: dict, stale) -> None:
     opt.shards.store_moments(b, targets["exp_avg"], targets["exp_avg_sq"])
 
 
-def gather_state_dict(opt) -> dict:
+def gather_state_dict(opt, state_dict_format: int | None = None) -> dict:
+    """The format-2 state dict (a collective over the distributed group)."""
+    if state_dict_format not in (None, FORMAT):
+        raise ValueError(f"state_dict(state_dict_format={state_dict_format!r}): only "
+                         f"format {FORMAT} is written")
     state: dict = {}
     for i, p in enumerate(opt.shards.params):
         if i in opt.shards.keys:

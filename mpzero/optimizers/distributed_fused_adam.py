@@ -18,8 +18,6 @@ function of layout.py; checkpoints are checkpoint.py (+ state_checks.py).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.optim import optimizer as torch_optimizer
@@ -27,12 +25,9 @@ from torch.optim import optimizer as torch_optimizer
 from mpzero import comm
 from mpzero.collective_check import check_collective_entry
 from mpzero.optimizers import checkpoint, torch_compat
-from mpzero.optimizers.grad_bucket import GradStorage
-from mpzero.optimizers.grad_sync import GradSync
-from mpzero.optimizers.hooks import Backward, ModuleHooks, Pipelines
+from mpzero.optimizers.hooks import Backward, ModuleHooks
 from mpzero.optimizers.layout import alignment_elements, bucket_capacity_elements
 from mpzero.optimizers.layout import default_shard_size as _default_shard_size
-from mpzero.optimizers.norm import GradNorm
 from mpzero.optimizers.options import (
     OPTION_NAMES,
     Groups,
@@ -40,58 +35,41 @@ from mpzero.optimizers.options import (
     collect_params,
     resolve_device,
 )
-from mpzero.optimizers.param_sync import ParamSync
-from mpzero.optimizers.shards import GRADS, PARAMS, ShardStore, broadcast_params, check_fingerprint
-from mpzero.optimizers.step import Stepper
+from mpzero.optimizers.pipelines import Pipelines, build_pipelines
+from mpzero.optimizers.shards import GRADS, ShardStore, broadcast_params, check_fingerprint
 from mpzero.optimizers.step_state import StepState
-from mpzero.warn import user_stacklevel
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
     """Adam/AdamW with ZeRO-2 sharding of gradients and optimizer state.
 
-    Gradients and optimizer state are sharded over ``distributed_process_group``
-    and replicated over ``redundant_process_group`` (their sizes multiply to the
-    size of ``process_group``). Gradients are reduce-scattered bucket by bucket
-    during backward (``overlap_grad_sync``); after the local fused Adam step the
-    updated shards are all-gathered into the parameters, at the end of
-    :meth:`step` or, with ``overlap_param_sync`` and a ``module``, just before
-    the next forward pass uses them.
-
-    Args mirror apex's ``DistributedFusedAdam`` (each option is documented on
-    :class:`~mpzero.optimizers.options.Options`, readable here as an attribute, e.g.
-    ``optimizer.bucket_cap_mb``, and fixed after construction): ``lr``,
-    ``bias_correction``, ``betas``, ``eps``, ``weight_decay`` (param-group
-    hyperparameters); ``process_group`` / ``distributed_process_group`` /
-    ``redundant_process_group``; ``module`` (whose forward pre-hooks drive
-    ``overlap_param_sync``) and ``model_parallel_group`` (TP/PP group the gradient
-    norm also reduces over).
-
-    Public attributes besides the options: ``groups`` (the process groups),
-    ``shards`` (the :class:`~mpzero.optimizers.shards.ShardStore`: layout and this
-    rank's state, for checkpoint tools), ``step_state`` (step count, learning rates,
-    grad scale), and apex's ``process_group_size``, ``process_group_root``,
-    ``alignment``, ``default_shard_size``, ``distributed_size``, ``distributed_rank``,
-    ``redundant_size``.
+    Gradients and state are sharded over ``distributed_process_group`` and replicated
+    over ``redundant_process_group`` (sizes multiplying to ``process_group``'s).
+    Gradients are reduce-scattered bucket by bucket during backward; after the local
+    fused Adam step the updated shards are all-gathered into the parameters, at the end
+    of :meth:`step` or (``overlap_param_sync`` and a ``module``) just before the next
+    forward uses them. The arguments are apex's; each option is documented on
+    :class:`~mpzero.optimizers.options.Options` and readable as an attribute
+    (``optimizer.bucket_cap_mb``). Public attributes besides: ``groups``, ``shards``
+    (the :class:`~mpzero.optimizers.shards.ShardStore`, for checkpoint tools),
+    ``step_state`` and apex's read-only ones below.
     """
 
     _step_supports_amp_scaling = True
 
     # apex's read-only attributes.
     process_group_size = property(lambda self: comm.group_size(self.groups.process),
-                                  doc="Ranks in ``process_group`` (distributed x redundant).")
+                                  doc="Ranks in ``process_group``.")
     process_group_root = property(
         lambda self: torch_compat.global_rank_of_first(self.groups.process),
-        doc="Global rank of ``process_group``'s first rank (the parameter broadcast's source).")
+        doc="Global rank of ``process_group``'s first rank.")
     alignment = property(lambda self: alignment_elements(self.options.grad_sync_dtype.itemsize),
-                         doc="Elements of ``grad_sync_dtype`` in 128 bytes: every fragment "
-                             "starts at a multiple of it.")
+                         doc="Elements of ``grad_sync_dtype`` in 128 bytes (fragment starts).")
     default_shard_size = property(
         lambda self: _default_shard_size(bucket_capacity_elements(
             self.options.bucket_cap_mb, self.options.grad_sync_dtype.itemsize),
             self.alignment, self.groups.distributed_size),
-        doc="Elements of one rank's shard of a full bucket (``bucket_cap_mb`` over the "
-            "distributed ranks, rounded up to the alignment).")
+        doc="Elements of one rank's shard of a full bucket.")
 
     def __init__(
         self,
@@ -139,21 +117,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.groups = groups = Groups.resolve(
             process_group, distributed_process_group, redundant_process_group,
             model_parallel_group, torch_compat.tensor_parallel_rank(model_parallel_group))
-        # apex's attributes.
-        self.process_group, self.distributed_process_group = groups.process, groups.distributed
-        self.redundant_process_group = groups.redundant
-        self.model_parallel_group = model_parallel_group
-        self.distributed_size, self.distributed_rank = (groups.distributed_size,
-                                                        groups.distributed_rank)
-        self.redundant_size = groups.redundant_size
-
         self._comm = comm.CommContext(options.device, options.pipeline_size)
         self.shards = ShardStore(options, groups, self._comm)
         self.step_state = StepState(options, self.param_groups)
         self._pipelines: Pipelines | None = None
         self._backward = Backward(options, self.shards, self.ensure_layout)
-        self._modules = ModuleHooks(
-            self.shards, lambda: self._pipelines and self._pipelines.gathers)
+        self._modules = ModuleHooks(self.shards, options.overlap_param_sync,
+                                    lambda: self._pipelines and self._pipelines.gathers)
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
                 self._backward.register(p, self.shards.register(p, gi))
@@ -165,19 +135,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.attach(module)
 
     def __getattr__(self, name: str):
-        """The options (``optimizer.dtype``, ``optimizer.bucket_cap_mb``, ...) as read-only
-        attributes, as apex has them."""
-        options = self.__dict__.get("options")
-        if options is not None and name in OPTION_NAMES:
-            return getattr(options, name)
+        """The options (``optimizer.dtype``, ...) and apex's group attributes
+        (``optimizer.distributed_size``, ``optimizer.process_group``, ...)."""
+        d = self.__dict__
+        if "options" in d and name in OPTION_NAMES:
+            return getattr(d["options"], name)
+        if "groups" in d and name in _GROUP_ATTRIBUTES:
+            return getattr(d["groups"], _GROUP_ATTRIBUTES[name])
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         """The options, then each param group's hyperparameters (as torch optimizers)."""
         lines = [f"{type(self).__name__} ("]
         lines += [f"    {k}: {v}" for k, v in self.options.items()]
-        lines += [f"    distributed_size: {self.distributed_size}",
-                  f"    redundant_size: {self.redundant_size}"]
+        lines += [f"    {k}: {getattr(self, k)}" for k in ("distributed_size", "redundant_size")]
         for i, group in enumerate(self.param_groups):
             lines.append(f"Parameter Group {i}")
             lines += [f"    {k}: {group[k]}" for k in sorted(group) if k != "params"]
@@ -185,40 +156,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return "\n".join(lines)
 
     def ensure_layout(self) -> Pipelines:
-        """Make the bucket layout now if it is not made yet: a collective (every rank calls
-        it), otherwise made at the first gradient, ``step()``, ``grad_sync()`` or
-        ``state_dict()``. After it ``init_params`` and ``add_param_group`` raise. Returns
-        the pipelines working on the layout (internal objects: for tools and tests)."""
+        """Make the bucket layout now (a collective) unless made already (at the first
+        gradient, ``step()``, ``grad_sync()``, ``state_dict()``); then ``init_params`` and
+        ``add_param_group`` raise. Returns the pipelines (internal: for tools and tests)."""
         if self._pipelines is not None:
             return self._pipelines
-        store, o, g = self.shards, self.options, self.groups
-        store.build()
-        grad_views = store.bucket_buffers(GRADS) or [None] * len(store.layouts)
-        storages = []
-        for lay, view in zip(store.layouts, grad_views):
-            incoming = None
-            if store.nccl_pool is not None:  # reduce-scatter outputs from the same pool
-                with store.nccl_pool.allocate():
-                    incoming = torch.empty(lay.shard_size, dtype=lay.key.grad, device=o.device)
-            storages.append(GradStorage(view, incoming, o.capturable, g.local_only))
-        if store.nccl_pool is not None:
-            store.nccl_pool.register()
-        grads = GradSync(store.layouts, storages, store.fragments, o.device, self._comm,
-                         g.distributed, g.redundant, g.distributed_rank, o.average_grad_sync)
-        gathers = ParamSync(store.layouts, [lay.key.param for lay in store.layouts], o.device,
-                            self._comm, g.distributed, g.distributed_rank, store.params,
-                            persistent=store.bucket_buffers(PARAMS))
-        norm = GradNorm(store, grads, g, self.step_state, self.grad_sync)
-        self._pipelines = Pipelines(grads, gathers, norm,
-                                    Stepper(o, store, grads, gathers, self.step_state))
-        if o.contiguous_param_buffer:
-            store.params_to_buffer_views()
-        if o.contiguous_grad_buffer:
+        self._pipelines = build_pipelines(self.shards, self.step_state, self._comm,
+                                          self.grad_sync)
+        if self.options.contiguous_param_buffer:
+            self.shards.params_to_buffer_views()
+        if self.options.contiguous_grad_buffer:
             self._backward.provide_main_grads()
-        self.step_state.update_mirror(self.state, [store.params[i] for i in store.keys])
+        self.step_state.update_mirror(self.state, [self.shards.params[i] for i in self.shards.keys])
         return self._pipelines
 
-    # -- param groups and layout -----------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (``torch.optim.Optimizer`` API). Allowed until the layout
         is made (first gradient hook, ``step()``, ``state_dict()``); after that the
@@ -251,16 +202,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def init_params(self, params=None, dtype=None, grad_sync_dtype=None,
                     param_sync_dtype=None) -> None:
-        """Lay out ``params`` now, in the order given (optionally with their own sync dtypes).
-
-        ``params=None``: every parameter not laid out yet, in the default (reverse
-        param-group) order; a tensor or an iterable of them otherwise. Parameters laid
-        out already are skipped. ``grad_sync_dtype`` / ``param_sync_dtype`` put these
-        parameters in buckets of those dtypes; each left ``None`` is the optimizer's own
-        option (as in apex, not ``dtype``). ``dtype`` (the state dtype) may only repeat the
-        optimizer's ``dtype``: anything else raises ``ValueError``, as apex does. Buckets
-        whose param-sync dtype differs from the optimizer's keep an fp32 master even with
-        ``store_param_remainders`` (remainders need bf16 parameters)."""
+        """Lay out ``params`` (default: all not laid out yet, reverse param-group order) now,
+        in the order given, skipping those laid out already. ``grad_sync_dtype`` /
+        ``param_sync_dtype`` put them in buckets of those dtypes (``None``: the optimizer's
+        own, as in apex); ``dtype`` may only repeat the optimizer's (``ValueError``
+        otherwise). Buckets not syncing bf16 keep an fp32 master even with remainders."""
         if params is None:
             params = self.shards.remaining_params()
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -289,7 +235,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.ensure_layout()
         return self.shards.buffer_view(GRADS, self.shards.index[id(param)])
 
-    # -- gradients -------------------------------------------------------------------
     def no_sync(self, greedy_grad_copy: bool = False):
         """Accumulate gradients without communicating (all micro-batches but the last).
 
@@ -305,22 +250,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         pipes.grads.flush()  # bumps the gradient version (the norm cache key) if it syncs
 
     def grad_shards(self, param: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's synchronized gradient shards of the bucket(s) holding ``param``,
-        in bucket order, after :meth:`grad_sync` (a collective: every rank calls it).
-        Changing them in place changes what the step reads: e.g. a pipeline's tied
-        embedding sums them over its embedding group. Each is a whole bucket's shard:
-        lay ``param`` out alone (``init_params_bucket([param])``) to get only its values."""
+        """After :meth:`grad_sync` (a collective), this rank's synchronized gradient shards
+        of the bucket(s) holding ``param``, in bucket order; the step reads what they hold
+        (e.g. a pipeline's tied embedding sums them over its stages). Whole bucket shards:
+        ``init_params_bucket([param])`` gives ``param`` buckets of its own."""
         self.grad_sync()
         return self.ensure_layout().grads.shards_of(self.shards.index[id(param)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all gradients (bucket shards and ``param.grad``). Leaves parameter
-        gathers pending, for the forward pre-hooks.
-
-        With ``contiguous_grad_buffer=True`` the gradient lives in the persistent
-        buffer (``param.grad`` stays ``None``, ZeRO-2 frees it): zero_grad zeroes the
-        buffer, and whatever is written into :meth:`grad_buffer_view` afterwards is
-        what the next sync reduces (added to what backward accumulates there)."""
+        """Drop all gradients (bucket shards, ``param.grad``, the contiguous buffer: what is
+        written into :meth:`grad_buffer_view` afterwards joins the next sync). Leaves the
+        parameter gathers pending, for the forward pre-hooks."""
         for p in self.shards.params:
             if p.grad is not None:
                 if set_to_none:
@@ -339,69 +279,35 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._pipelines.gathers.sync_all()
 
     def attach(self, module: torch.nn.Module, *, unit: bool = False) -> None:
-        """Drive ``overlap_param_sync`` from ``module``'s forward pre-hooks: each
-        submodule gathers the buckets of its own parameters (prefetching one ahead)
-        just before its forward runs.
-
-        ``unit=True``: one pre-hook on ``module`` itself gathers every parameter under
-        it, and its submodules get no hook (also not from other ``attach`` calls, in
-        either order). Use it for a module whose ``forward`` is ``torch.compile``'d:
-        its own hooks run eagerly around the compiled code, while its submodules'
-        hooks would run inside it, where each distinct hook splits the graph or
-        forces a recompilation (e.g. ``attach(block, unit=True)`` for each compiled
-        transformer block, then ``attach(model)`` for the rest)."""
+        """Drive ``overlap_param_sync`` from ``module``'s forward pre-hooks: each submodule
+        gathers its parameters' buckets (one ahead) just before its forward. ``unit=True``:
+        one pre-hook on ``module`` gathers everything under it and its submodules get none
+        (for a ``torch.compile``'d module, where submodule hooks would break the graph)."""
         self._modules.attach(module, unit)
 
-    # -- norms and AMP ---------------------------------------------------------------
     def grad_norm(self, parameters=None, norm_type: float = 2.0,
                   force: bool = False) -> torch.Tensor:
-        """2-norm of the synchronized gradients (times the pending grad scale), as a
-        0-dim fp32 tensor on the optimizer's device.
-
-        ``parameters``: any iterable (e.g. ``model.parameters()``); ``None`` = all.
-        Cached until gradients change: a second call for the same gradients runs no
-        collective, so it may be made on one rank only (e.g. for logging)."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"grad_norm: only norm_type=2.0 is supported, got {norm_type!r}")
-        if parameters is not None:
-            parameters = ([parameters] if isinstance(parameters, torch.Tensor)
-                          else list(parameters))
-        return self.ensure_layout().norm.norm(parameters, force)
+        """2-norm of the synchronized gradients of ``parameters`` (``None``: all) times the
+        pending grad scale, a 0-dim fp32 device tensor. Cached until the gradients change:
+        a repeated call runs no collective (it may be made on one rank, e.g. to log)."""
+        return self.ensure_layout().norm.norm(parameters, norm_type, force)
 
     def clip_grad_norm(self, max_norm: float, parameters=None,
                        norm_type: float = 2.0) -> torch.Tensor:
         """Total gradient norm; folds ``min(1, max_norm / (norm + 1e-6))`` into the grad
         scale so the clipping costs no pass over the gradients."""
-        if isinstance(max_norm, torch.Tensor):
-            max_norm = float(max_norm)
-        if not max_norm > 0:  # also NaN
-            raise ValueError(
-                f"clip_grad_norm(max_norm={max_norm!r}): max_norm must be positive (a negative "
-                "one would turn the step uphill, zero would zero it); to log the norm without "
-                "clipping call grad_norm()")
-        if float(norm_type) != 2.0:
-            raise ValueError(f"grad_norm: only norm_type=2.0 is supported, got {norm_type!r}")
-        if parameters is not None:
-            parameters = ([parameters] if isinstance(parameters, torch.Tensor)
-                          else list(parameters))
-        return self.ensure_layout().norm.clip(max_norm, parameters)
+        return self.ensure_layout().norm.clip(max_norm, parameters, norm_type)
 
     def unscale_grads(self, inv_scale: torch.Tensor | float | None = None,
                       grad_scaler=None) -> dict:
         """Fold a gradient unscale into the grad scale (GradScaler integration).
 
-        Give exactly one of ``inv_scale`` (the factor to multiply the gradients by) and
-        ``grad_scaler`` (a ``torch.amp.GradScaler``: its inverse scale is used, and the
-        inf/NaN found is recorded in its per-optimizer state, so ``scaler.step()`` skips
-        and ``scaler.update()`` backs off); ``ValueError`` otherwise. Call it between
-        the backward pass and :meth:`step`: after ``step()`` (before the next
-        gradients or ``zero_grad()``) it raises, since the factor would fall on the next
-        step's gradients.
-
-        Returns the found-inf flags as apex does, ``{device: flag}`` with a one-element
-        fp32 tensor that is 1.0 when any synchronized gradient of any rank is inf/NaN
-        (a collective: every rank calls it). A disabled scaler (``enabled=False``) does
-        nothing and returns ``{}``, as ``GradScaler.unscale_`` does nothing."""
+        Exactly one of ``inv_scale`` (the factor) and ``grad_scaler`` (a
+        ``torch.amp.GradScaler``: its inverse scale, and the inf/NaN found recorded in its
+        state so ``scaler.step()`` skips and ``update()`` backs off); ``ValueError``
+        otherwise. Between backward and :meth:`step` only (raises after ``step()``). A
+        collective; returns apex's ``{device: flag}`` (1.0 when any rank's synchronized
+        gradient is inf/NaN), ``{}`` for a disabled scaler."""
         if (inv_scale is None) == (grad_scaler is None):
             raise ValueError("unscale_grads: give exactly one of inv_scale= and grad_scaler= "
                              f"(got {'both' if inv_scale is not None else 'neither'})")
@@ -412,14 +318,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "before step() (or scaler.step(optimizer)).")
         return self.ensure_layout().norm.unscale(inv_scale, grad_scaler, self)
 
-    # -- the step ----------------------------------------------------------------------
     def step(self, closure=None, *, grad_scaler=None):
-        """One optimizer step (see the module docstring for the flow).
-
-        Step pre/post hooks (``register_step_pre_hook``, the global ones) and the
-        profiler's ``Optimizer.step#...`` range work as for torch optimizers; without
-        any of them the step skips torch's per-call wrapper (a measurable share of the
-        host time of a step)."""
+        """One optimizer step (the module docstring has the flow). Step hooks and the
+        profiler's range work as for torch optimizers; without them the step skips
+        torch's per-call wrapper (a share of the step's host time)."""
         if _observed(self):
             return _observed_step(self, closure, grad_scaler=grad_scaler)
         return _step(self, closure, grad_scaler=grad_scaler)
@@ -428,30 +330,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     # calls torch's wrapper itself, when hooks or the profiler need it.
     step.hooked = True
 
-    # -- checkpoints -----------------------------------------------------------------
     def state_dict(self, gather_on_root: bool | None = None,
                    state_dict_format: int | None = None) -> dict:
-        """Format-2 state dict (see ``checkpoint.py``): every rank must call it and every
-        rank returns the same dict.
-
-        ``gather_on_root`` and ``state_dict_format`` are the reference's keywords,
-        accepted so its users' code runs unchanged: every rank gets the full state
-        whatever ``gather_on_root`` says (the reference returns it on the root only,
-        so saving on the root works the same), and format 2 (or ``None``) is the one
-        format written; anything else raises."""
-        if state_dict_format not in (None, checkpoint.FORMAT):
-            raise ValueError(f"state_dict(state_dict_format={state_dict_format!r}): only "
-                             f"format {checkpoint.FORMAT} is written")
+        """Format-2 state dict (``checkpoint.py``), the same on every rank (all must call
+        it). apex's keywords are accepted: every rank gets the full state whatever
+        ``gather_on_root`` says, and format 2 (or ``None``) is the one format written."""
         del gather_on_root
         # Fail in bounded time, not hang, when only some ranks call it (e.g. rank 0 alone).
         check_collective_entry("state_dict()", self.process_group)
         self.ensure_layout()
         self.param_sync()
-        sd = checkpoint.gather_state_dict(self)
-        for group in sd["param_groups"]:  # capturable: the device lr saves as a number
-            if isinstance(group.get("lr"), torch.Tensor):
-                group["lr"] = float(group["lr"])
-        return sd
+        return checkpoint.gather_state_dict(self, state_dict_format)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state and param groups saved by :meth:`state_dict` on any grid
@@ -478,43 +367,24 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_sync()
 
 
+_GROUP_ATTRIBUTES = {"process_group": "process", "distributed_process_group": "distributed",
+                     "redundant_process_group": "redundant",
+                     "model_parallel_group": "model_parallel",
+                     "distributed_size": "distributed_size",
+                     "distributed_rank": "distributed_rank", "redundant_size": "redundant_size"}
+
+
 def _step(opt: DistributedFusedAdam, closure=None, *, grad_scaler=None):
-    """The body of :meth:`DistributedFusedAdam.step` (a function of this module, so that
-    torch's hook wrapper can wrap it once)."""
+    """The body of :meth:`DistributedFusedAdam.step` (a function, so that torch's hook
+    wrapper can wrap it once)."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
     pipes = opt.ensure_layout()
-    opt.param_sync()
     opt.grad_sync()
-    state, capturable = opt.step_state, opt.options.capturable
-    found_inf = None
-    if grad_scaler is not None:
-        found_inf = pipes.norm.scaler_found_inf(grad_scaler, opt)
-        if not capturable and found_inf.item():
-            state.reset_scale()  # skipped: same decision on every rank
-            opt._backward.stepped = True
-            return loss
-    state.advance(found_inf)
-    deferred = opt.options.overlap_param_sync and opt._modules.active
-    if opt.options.overlap_param_sync and not deferred and not opt._modules.warned_no_module:
-        opt._modules.warned_no_module = True
-        warnings.warn("overlap_param_sync=True but no module is attached (module= or "
-                      "attach(module)): parameters are gathered at the end of step()",
-                      stacklevel=user_stacklevel())
-    # torch.no_grad() without its two per-call objects (what its __enter__/__exit__ do).
-    grad_mode = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
-    try:
-        pipes.stepper.run(found_inf if capturable else None, deferred)
-    finally:
-        torch._C._set_grad_enabled(grad_mode)
-    state.update_mirror()
-    pipes.grads.mark_stepped()
-    state.reset_scale()
-    pipes.norm.cache = None
     opt._backward.stepped = True
+    pipes.stepper.step(pipes.norm, grad_scaler, opt, opt._modules.deferring())
     return loss
 
 

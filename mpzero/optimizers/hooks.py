@@ -7,29 +7,20 @@ forward pass (:class:`ModuleHooks`: module forward pre-hooks).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
 from mpzero.optimizers import torch_compat
 from mpzero.optimizers.flat import flat_like
 from mpzero.optimizers.grad_sync import GradSync
-from mpzero.optimizers.norm import GradNorm
 from mpzero.optimizers.options import Options
 from mpzero.optimizers.param_sync import ParamSync
+from mpzero.optimizers.pipelines import Pipelines
 from mpzero.optimizers.shards import GRADS, ShardStore
-from mpzero.optimizers.step import Stepper
-
-
-class Pipelines(NamedTuple):
-    """What exists once the layout is made."""
-
-    grads: GradSync
-    gathers: ParamSync
-    norm: GradNorm
-    stepper: Stepper
+from mpzero.warn import user_stacklevel
 
 
 def weak_hook(obj, method: str, *bound):
@@ -193,16 +184,23 @@ class Backward:
 class ModuleHooks:
     """Forward pre-hooks that gather each module's parameters just before it runs."""
 
-    def __init__(self, store: ShardStore, gathers: Callable[[], ParamSync | None]):
-        self.store = store
+    def __init__(self, store: ShardStore, overlap: bool,
+                 gathers: Callable[[], ParamSync | None]):
+        self.store, self.overlap = store, overlap
         self.gathers = gathers  # the parameter pipeline, or None before the layout
         self.attached: list[tuple[torch.nn.Module, bool]] = []  # (module, unit)
         self.handles: list = []
         self.warned_no_module = False
 
-    @property
-    def active(self) -> bool:
-        return bool(self.handles)
+    def deferring(self) -> bool:
+        """Whether a step leaves the gathers to the forward pre-hooks (``overlap_param_sync``
+        with a module attached); warns once when the option is on without a module."""
+        if self.overlap and not self.handles and not self.warned_no_module:
+            self.warned_no_module = True
+            warnings.warn("overlap_param_sync=True but no module is attached (module= or "
+                          "attach(module)): parameters are gathered at the end of step()",
+                          stacklevel=user_stacklevel())
+        return self.overlap and bool(self.handles)
 
     def attach(self, module: torch.nn.Module, unit: bool) -> None:
         torch_compat.warn_if_wrapped_in_ddp(module)

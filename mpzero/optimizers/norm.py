@@ -59,9 +59,15 @@ class GradNorm:
                                  else shard[piece.shard_start:piece.shard_end])
         return views
 
-    def norm(self, parameters=None, force: bool = False) -> torch.Tensor:
+    def norm(self, parameters=None, norm_type: float = 2.0,
+             force: bool = False) -> torch.Tensor:
         """2-norm of the synchronized gradients times the pending grad scale (cached until
         the gradients change)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"grad_norm: only norm_type=2.0 is supported, got {norm_type!r}")
+        if parameters is not None:
+            parameters = ([parameters] if isinstance(parameters, torch.Tensor)
+                          else list(parameters))
         self.sync()
         key = (self.grads.version, None if parameters is None else
                tuple(id(p) for p in parameters))
@@ -75,9 +81,16 @@ class GradNorm:
             self.cache = (key, sq.sqrt())
         return self.cache[1] * self.state.grad_scale
 
-    def clip(self, max_norm: float, parameters=None) -> torch.Tensor:
+    def clip(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
         """The norm; folds ``min(1, max_norm / (norm + 1e-6))`` into the grad scale."""
-        norm = self.norm(parameters)
+        if isinstance(max_norm, torch.Tensor):
+            max_norm = float(max_norm)
+        if not max_norm > 0:  # also NaN
+            raise ValueError(
+                f"clip_grad_norm(max_norm={max_norm!r}): max_norm must be positive (a negative "
+                "one would turn the step uphill, zero would zero it); to log the norm without "
+                "clipping call grad_norm()")
+        norm = self.norm(parameters, norm_type)
         self.state.scale_by(torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0))
         return norm
 

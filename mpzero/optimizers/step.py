@@ -26,6 +26,7 @@ from mpzero import kernels
 from mpzero.kernels.precision import copy_high_bytes
 from mpzero.optimizers.flat import flat_view
 from mpzero.optimizers.grad_sync import GradSync
+from mpzero.optimizers.norm import GradNorm
 from mpzero.optimizers.options import Options, is_byte_dtype
 from mpzero.optimizers.param_sync import ParamSync
 from mpzero.optimizers.shards import ShardStore
@@ -62,6 +63,30 @@ class Stepper:
         self.phases_cache: dict[bool, list[Phase]] = {}
         self.plans: dict[tuple, StepPlan] = {}
         self.param_views_cache: dict[int, list] = {}
+
+    def step(self, norm: GradNorm, grad_scaler, owner, deferred: bool) -> None:
+        """One step over synced gradients: the scaler's found-inf check (a skipped step
+        changes nothing), the local step, the gathers (see :meth:`run`), and the per-step
+        state back to its start (grad scale 1, norm cache dropped)."""
+        state, capturable = self.state, self.options.capturable
+        found_inf = None
+        if grad_scaler is not None:
+            found_inf = norm.scaler_found_inf(grad_scaler, owner)
+            if not capturable and found_inf.item():
+                state.reset_scale()  # skipped: the same decision on every rank
+                return
+        state.advance(found_inf)
+        # torch.no_grad() without its two per-call objects (what its __enter__/__exit__ do).
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            self.run(found_inf if capturable else None, deferred)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
+        state.update_mirror()
+        self.grads.mark_stepped()
+        state.reset_scale()
+        norm.cache = None
 
     def _kwargs(self, gi: int) -> dict:
         return self.state.hyper(gi, self.found_inf)
