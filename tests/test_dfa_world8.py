@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mpzero.checkpoint import dcp as mdcp
 from mpzero.optimizers import DistributedFusedAdam
-from mpzero.optimizers import checkpoint as ckpt
 
 from dfa_common import batches, groups_for, make_model, train_compare, train_split_steps
 
@@ -50,7 +50,7 @@ def _hop(index, path):
         saved = torch.load(f"{path}.{index - 1}.model", weights_only=True)
         model.load_state_dict(saved)
         if HOPS[index - 1][2] == "sharded":
-            ckpt.load_sharded(opt, f"{path}.{index - 1}.sharded")
+            mdcp.load_sharded(f"{path}.{index - 1}.sharded", None, opt)
         else:
             opt.load_state_dict(torch.load(f"{path}.{index - 1}.optim", weights_only=True))
         assert opt.state_dict()["state"]["step"] == index * STEPS_PER_HOP
@@ -58,7 +58,7 @@ def _hop(index, path):
     first = index * STEPS_PER_HOP
     train_split_steps(model, opt, data, range(first, first + STEPS_PER_HOP), GLOBAL)
     if save_as == "sharded":
-        ckpt.save_sharded(opt, f"{path}.{index}.sharded")
+        mdcp.save_sharded(f"{path}.{index}.sharded", None, opt)
     elif save_as == "format2":
         sd = opt.state_dict()
         if dist.get_rank() == 0:

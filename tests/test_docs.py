@@ -32,7 +32,8 @@ def markdown_files(root: Path = REPO) -> list[Path]:
     out = []
     for path in sorted(root.rglob("*.md")):
         rel = path.relative_to(root).parts
-        if not any(part in SKIP_DIRS or part.startswith(".venv") for part in rel[:-1]):
+        # Hidden folders (.git, .venv*, caches, local scratch) hold no docs of the project.
+        if not any(part in SKIP_DIRS or part.startswith(".") for part in rel[:-1]):
             out.append(path)
     return out
 

@@ -6,32 +6,22 @@
       ^                                                                      |
       +-------------------------------- reset -------------------------------+
 
-(a SYNCED or EMPTY bucket may also start a new fill, or a sync of zeros).
-Gradients are added into the bucket's full-size buffer in the gradient-sync
-dtype; once the bucket syncs only the reduced local shard is kept (it
-accumulates over several syncs until :meth:`GradBucket.reset`). Where the buffer and
-the shard live is the bucket's :class:`GradStorage`, chosen once at construction.
+(a SYNCED or EMPTY bucket may also start a new fill, or a sync of zeros). Gradients are
+added into the full-size buffer in the gradient-sync dtype; after the sync only the
+reduced local shard is kept (accumulating over syncs until ``reset``). Where the buffer
+and shard live is the bucket's :class:`GradStorage`, chosen once at construction.
 
-A fresh buffer is not zeroed: the first gradient of each fragment is *copied* in
-(cast to the sync dtype: one pass, where zero-then-add is three), later ones are
-added, and what nothing wrote (alignment padding, parameters without a gradient) is
-zeroed just before the buffer is read. The first copies are staged and made together,
-one multi-tensor cast per bucket (``kernels.multi_copy``), when the bucket is
-complete, before anything adds to it, or before it is read; so a staged gradient lives
-until its bucket completes (at most the incomplete buckets' gradients); with
-``capturable`` each copy is made at once (a captured step must not read them). The
-contiguous grad buffer keeps the zeroed semantics (a user may write into
-``grad_buffer_view()`` between rounds): every gradient is added, the additions staged the
-same way. Layers with gradient accumulation fusion add into it themselves
-(``main_grad``); such a fragment arrives with nothing to stage
-(:meth:`GradBucket.added_in_place`).
+A fresh buffer is not zeroed: each fragment's first gradient is cast-copied in, later
+ones added, both staged and made with one multi-tensor launch per bucket when it is
+complete or read (``capturable``: at once, so a captured step never reads a freed
+gradient); what nothing wrote is zeroed just before the buffer is read. The contiguous
+grad buffer keeps zeroed semantics (a user may write into ``grad_buffer_view()``), and
+layers with gradient accumulation fusion add into it themselves (:meth:`added_in_place`).
 
-Direct gradients: where this rank alone makes up both groups (nothing to reduce) and
-every parameter of a bucket brought exactly one gradient in the round, the bucket
-makes no copy at all: the gradients themselves (in the parameters' dtype, e.g. bf16)
-stand for the reduced shard, the step and the norm read them
-(:meth:`GradBucket.direct_grads`), and no bucket buffer is allocated. Anything else
-that reads the shard, or a next round that adds to it, first makes the copy
+Direct gradients: where this rank alone makes up both groups and every parameter of the
+bucket brought exactly one gradient in the round, the gradients themselves (in the
+parameters' dtype) stand for the reduced shard (:meth:`GradBucket.direct_grads`): no
+copy, no buffer. Anything else that reads the shard, or adds to it, first makes the copy
 (:meth:`GradBucket.materialize`), so the values are the same either way.
 """
 

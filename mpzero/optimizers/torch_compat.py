@@ -8,8 +8,8 @@ without one. See ``docs/migrating.md`` for the user-facing side.
 
 - :func:`check_param_group_options`: param-group keys mpzero does not implement
   (:func:`register_param_group_key` accepts a user's own).
-- :func:`warn_if_wrapped_in_ddp` / :func:`find_ddp` / :func:`inside_ddp_forward`:
-  a model still wrapped in ``DistributedDataParallel``; :func:`raise_if_ddp_reduces`:
+- :func:`warn_if_wrapped_in_ddp` / :func:`find_ddp`: a model given to the optimizer
+  still wrapped in ``DistributedDataParallel``; :func:`raise_if_ddp_reduces`:
   one wrapped after the optimizer was built (checked at the first backward).
 - :func:`tensor_parallel_rank`, :func:`global_rank_of_first`: read once at construction.
 
@@ -39,7 +39,6 @@ __all__ = [
     "register_param_group_key",
     "check_param_group_options",
     "find_ddp",
-    "inside_ddp_forward",
     "warn_if_wrapped_in_ddp",
     "tensor_parallel_rank",
     "global_rank_of_first",
@@ -238,31 +237,10 @@ def raise_if_ddp_reduces(params) -> None:
             "model, e.g. `model = DDP(model, ...)`, and call the bare model. " + _DDP_ADVICE)
 
 
-def inside_ddp_forward() -> bool:
-    """True while a ``DistributedDataParallel.forward`` is running (torch sets
-    ``DistributedDataParallel._active_ddp_module`` around the wrapped module's
-    forward with the default C++ reducer). Catches the inner model passed as
-    ``module=`` but run through a DDP wrapper.
-
-    Where to call it: in ``DistributedFusedAdam._pre_forward`` (the forward pre-hook of
-    attached modules), only until the first warning:
-    ``if not self._ddp_warned and inside_ddp_forward(): self._ddp_warned = True;
-    warn_if_wrapped_in_ddp(torch.nn.parallel.DistributedDataParallel._active_ddp_module)``.
-    It reads a private torch attribute through ``getattr`` and returns False when a
-    torch version lacks it."""
-    ddp_cls = torch.nn.parallel.DistributedDataParallel
-    return getattr(ddp_cls, "_active_ddp_module", None) is not None
-
-
 def warn_if_wrapped_in_ddp(module) -> bool:
     """Warn once per DDP instance (:class:`MigrationWarning`) when ``module`` is, or
-    contains, a ``DistributedDataParallel``; return whether it does.
-
-    Where to call it (``DistributedFusedAdam``): in ``attach(module)`` as its first
-    statement (the constructor's ``module=`` goes through ``attach``), i.e.
-    ``warn_if_wrapped_in_ddp(module)``; and from ``_pre_forward`` through
-    :func:`inside_ddp_forward` (see there). ``attach`` should then attach to
-    ``ddp.module`` hooks as before (hooks on submodules still fire through DDP)."""
+    contains, a ``DistributedDataParallel`` (``attach`` calls it); return whether it does.
+    Hooks on its submodules still fire through DDP, so attaching goes on."""
     ddp = find_ddp(module)
     if ddp is None:
         return False
