@@ -44,7 +44,7 @@ def breakdown(args, cuda, name, dtype, mk, graph) -> None:
     opt.grad_sync()
     plan = next(iter(opt.ensure_layout().stepper.plans.values()))
     stepper = opt.ensure_layout().stepper
-    direct = stepper.direct.grads(stepper._phases(False)[0]) or {}
+    direct = stepper.direct.grads(stepper.phases(False)[0]) or {}
     grads = {b: direct[b] if b in plan.direct else opt.ensure_layout().grads.buckets[b].shard
              for b in plan.cutters}
     print(f"plan.pieces         {timed(lambda: plan.pieces(grads, {})):8.1f} us")

@@ -209,7 +209,7 @@ def _native_steps(native: bool, config: str):
             opt.step()
     finally:
         kernels.adam_plan = original
-    memo = {k for phase in opt.ensure_layout().stepper._phases(False) for k in phase.memo
+    memo = {k for phase in opt.ensure_layout().stepper.phases(False) for k in phase.memo
             if isinstance(k, tuple)}
     params = [p.detach().clone() for p in model.parameters()]
     assert all(not torch.equal(a, b) for a, b in zip(params, start)), "a parameter never moved"

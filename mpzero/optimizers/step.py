@@ -91,7 +91,7 @@ class Stepper:
     def _kwargs(self, gi: int) -> dict:
         return self.state.hyper(gi, self.found_inf)
 
-    def _phases(self, deferred: bool) -> list[Phase]:
+    def phases(self, deferred: bool) -> list[Phase]:
         """The buckets stepped together, in order; made once per ``deferred``."""
         cache = self.phases_cache
         if deferred not in cache:
@@ -121,7 +121,7 @@ class Stepper:
         from the next forward's pre-hooks. ``found_inf``: the device flag that makes
         the kernels skip (``capturable``)."""
         self.found_inf = found_inf
-        for phase in self._phases(deferred):
+        for phase in self.phases(deferred):
             outs = dict.fromkeys(phase.buckets)
             for b in phase.buffered:
                 outs[b] = self.gathers.mark_stale(b)
