@@ -185,8 +185,7 @@ class GradBucket:
     def add(self, fragment: Fragment, grad_flat: torch.Tensor) -> None:
         """Add one fragment of a gradient into the buffer (cast to the sync dtype);
         the fragment's first gradient into a fresh buffer is copied."""
-        if self.state is not GradState.FILLING:
-            self.start_fill()
+        self._assert_state(GradState.FILLING)
         grad = grad_flat[fragment.param_start : fragment.param_end]
         written = self._written
         if written is not None and fragment.param not in written:
@@ -218,8 +217,7 @@ class GradBucket:
 
     def added_in_place(self) -> None:
         """A layer added one fragment's gradient into the (persistent) buffer itself."""
-        if self.state is not GradState.FILLING:
-            self.start_fill()
+        self._assert_state(GradState.FILLING)
         self._in_place += 1
 
     def copy_staged(self) -> None:
@@ -252,9 +250,9 @@ class GradBucket:
 
     def start_sync(self, ctx: CommContext, distributed_group, redundant_group,
                    average: bool) -> None:
-        """Launch the reduce-scatter (+ redundant all-reduce); zeros when nothing arrived."""
-        if self.state is not GradState.FILLING:
-            self.start_fill()
+        """Launch the reduce-scatter (+ redundant all-reduce) of what was filled (zeros
+        where nothing arrived)."""
+        self._assert_state(GradState.FILLING)
         if self._can_go_direct():
             self._direct = {f.param: g for f, g in self._staged}
             self._staged, self._written, self.buffer = [], None, None

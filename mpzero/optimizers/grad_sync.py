@@ -56,6 +56,8 @@ class GradSync:
             bucket = self.buckets[f.bucket]
             if bucket.state is GradState.SYNCING:
                 self._finish(bucket)  # a new round for a bucket still in flight
+            if bucket.state is not GradState.FILLING:
+                bucket.start_fill()
             if grad is not None:
                 bucket.add(f, grad)
             else:
@@ -96,6 +98,8 @@ class GradSync:
     def _launch(self, bucket: GradBucket) -> None:
         if bucket.state is GradState.SYNCING:  # still in flight from the previous round
             self._finish(bucket)
+        if bucket.state is not GradState.FILLING:
+            bucket.start_fill()  # nothing arrived this round: a sync of zeros
         bucket.start_sync(self.ctx, self.distributed_group, self.redundant_group, self.average)
         self._in_flight.append(bucket)
         self.version += 1
