@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mpzero import collective_check as cc
+from mpzero import torch_compat as tc
 from mpzero.optimizers import DistributedFusedAdam
-from mpzero.optimizers import torch_compat as tc
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -1,4 +1,4 @@
-"""mpzero.optimizers.torch_compat: the standalone checks for scripts ported from
+"""mpzero.torch_compat: the standalone checks for scripts ported from
 DDP + torch.optim.AdamW (param-group keys, collective entry, DDP, clipping, stacklevel)."""
 
 import os
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mpzero import collective_check as cc
+from mpzero import torch_compat as tc
 from mpzero.optimizers import OptionError
-from mpzero.optimizers import torch_compat as tc
 from mpzero.warn import user_stacklevel
 
 pytestmark = pytest.mark.timeout(120)
@@ -257,7 +257,7 @@ def test_ddp_detection(world):
 
 # ---------------------------------------------------------------------- stacklevel
 def test_user_stacklevel_points_at_caller_outside_mpzero():
-    import mpzero.optimizers.torch_compat as mod
+    import mpzero.torch_compat as mod
 
     # Called directly from a test (outside mpzero): level 1 is this frame.
     assert user_stacklevel() == 1

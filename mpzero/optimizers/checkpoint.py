@@ -9,20 +9,12 @@ Format 2 (``state_dict``/``load_state_dict``) is laid out like
      "state": {i: {"param": fp32 master, "exp_avg", "exp_avg_sq"}  # CPU, full shape
                ..., "step": int}}
 
-It does not depend on the grid or the bucket layout: every rank gathers the
-shards of every bucket over the distributed group and cuts out the fragments,
-and loading copies each rank's shard pieces out of the full tensors. So a state
-saved on one distributed × redundant grid loads on any other, with any bucket
-size and parameter init order.
-
-The sharded path (``sharded_state_dict``/``load_sharded_state_dict``, which
-``mpzero.checkpoint.dcp`` writes and reads) keeps each rank to its own pieces: a rank
-saves only the fragment ranges of its shards, and a loading rank takes only the ranges
-overlapping its new shards, so no rank ever materializes the whole state.
-
-Everything here reads the optimizer through its public attributes: ``shards`` (the
-:class:`~mpzero.optimizers.shards.ShardStore`), ``groups``, ``options``,
-``step_state`` and ``param_groups``.
+It does not depend on the grid or the bucket layout (full tensors per parameter), so
+it loads on any other grid, bucket size and init order. The sharded path
+(``sharded_state_dict``/``load_sharded_state_dict``, what ``mpzero.checkpoint.dcp``
+writes and reads) keeps each rank to the fragment ranges of its own shards. Everything
+here reads the optimizer through public attributes (``shards``, ``groups``,
+``options``, ``step_state``, ``param_groups``).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import optimizer as torch_optimizer
 
-from mpzero import comm
+from mpzero import comm, torch_compat
 from mpzero.collective_check import check_collective_entry
-from mpzero.optimizers import checkpoint, torch_compat
+from mpzero.optimizers import checkpoint
 from mpzero.optimizers.hooks import Backward, ModuleHooks
 from mpzero.optimizers.layout import alignment_elements, bucket_capacity_elements
 from mpzero.optimizers.layout import default_shard_size as _default_shard_size

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mpzero.optimizers import torch_compat
+from mpzero import torch_compat
 from mpzero.optimizers.flat import flat_like
 from mpzero.optimizers.grad_sync import GradSync
 from mpzero.optimizers.options import Options
@@ -24,14 +24,9 @@ from mpzero.warn import user_stacklevel
 
 
 def weak_hook(obj, method: str, *bound):
-    """A hook calling ``obj.method(*bound, *args)`` that does not keep ``obj`` alive.
-
-    Parameters keep their post-accumulate-grad hooks on the C++ side, where the
-    garbage collector cannot see them, so a hook holding the optimizer would make
-    optimizer -> params -> hook -> optimizer an uncollectable cycle: a dropped
-    optimizer (and its state) would never be freed. Once the object is gone the
-    hook does nothing.
-    """
+    """A hook calling ``obj.method(*bound, *args)`` that does not keep ``obj`` alive:
+    parameters hold their grad hooks on the C++ side, out of the garbage collector's
+    sight, so a strong reference would keep a dropped optimizer (and its state) forever."""
     ref = weakref.ref(obj)
 
     def hook(*args):
@@ -86,11 +81,9 @@ class Backward:
         self._arrived(pipes)
 
     def provide_main_grads(self) -> None:
-        """``contiguous_grad_buffer``: give every trainable parameter ``main_grad`` (its
-        view of the buffer) and ``main_grad_ready`` (a 0-dim leaf whose gradient says
-        the layer added into ``main_grad``): layers built with
-        ``gradient_accumulation_fusion=True`` then accumulate their weight gradients
-        straight into the buffer (``mpzero.tensor_parallel.grad_accumulation``)."""
+        """``contiguous_grad_buffer``: every trainable parameter gets ``main_grad`` (its view
+        of the buffer) and ``main_grad_ready`` (a 0-dim leaf whose gradient says a layer with
+        ``gradient_accumulation_fusion`` added into ``main_grad``)."""
         for i, p in enumerate(self.store.params):
             if not p.requires_grad or not self.store.fragments.get(i):
                 continue
@@ -134,10 +127,9 @@ class Backward:
                 at_end_of_backward(weak_hook(self, "end_of_backward"))
 
     def end_of_backward(self) -> None:
-        """Every backward pass (outside ``no_sync()``) is one round: what it did not
-        complete launches now, in order, with zeros for parameters that got no
-        gradient. So ranks whose micro-batches skip different parameters still issue
-        the same collectives (gradient accumulation without ``no_sync()``)."""
+        """Every backward pass (outside ``no_sync()``) is one round: what it did not complete
+        launches now, in order, zeros for parameters without a gradient, so ranks that skip
+        different parameters still issue the same collectives."""
         self.round_close_queued = False
         if self.options.overlap_grad_sync and not self.no_sync_active and self.store.built:
             grads = self.ensure().grads

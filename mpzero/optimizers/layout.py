@@ -1,17 +1,11 @@
 """Where every parameter element lives: buckets, shards and fragments.
 
-A pure function of parameter sizes, alignment, bucket capacity and the
-distributed size, so every rank computes the same layout without talking and
-the layout is unit-tested without processes.
-
-- A *bucket* is a flat buffer of ``shard_size * distributed_size`` elements that
-  communicates as one unit. Rank ``r`` owns *shard* ``r``: elements
-  ``[r * shard_size, (r + 1) * shard_size)``.
-- A parameter is flattened and cut into *fragments*, one per bucket it touches;
-  each fragment starts at a bucket offset aligned to ``alignment`` elements
-  (128 bytes of the gradient-sync dtype). The gaps stay zero.
-- ``shard_size`` is a multiple of the alignment and at least one alignment unit;
-  a bucket that is closed before it fills is shrunk to what it holds.
+A pure function of parameter sizes, alignment, bucket capacity and the distributed
+size (every rank computes it without talking). A *bucket* of ``shard_size *
+distributed_size`` elements communicates as one unit; rank ``r`` owns *shard* ``r``. A
+parameter is cut into *fragments*, one per bucket it touches, each starting at a multiple
+of ``alignment`` (128 bytes of the gradient-sync dtype); the gaps stay zero. ``shard_size``
+is a multiple of the alignment; a bucket closed before it fills shrinks to what it holds.
 """
 
 from __future__ import annotations

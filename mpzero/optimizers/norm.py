@@ -1,10 +1,7 @@
-"""The gradient norm, clipping and the GradScaler integration.
-
-All three fold into the one ``grad_scale`` device scalar the Adam kernels read
-(:class:`~mpzero.optimizers.step_state.StepState`), so none of them makes a pass over
-the gradients. The norm is taken over the reduced shards: squared on each rank,
-summed over the distributed group and the model-parallel group, with TP-replicated
-parameters counted on TP rank 0 only.
+"""The gradient norm, clipping and the GradScaler integration, all folded into the one
+``grad_scale`` device scalar the Adam kernels read (no pass over the gradients). The norm
+is taken over the reduced shards, summed over the distributed and model-parallel groups,
+TP-replicated parameters counted on TP rank 0 only.
 """
 
 from __future__ import annotations

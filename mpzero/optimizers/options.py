@@ -21,10 +21,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 
 class OptionError(ValueError, NotImplementedError):
-    """A wrong or not-yet-supported optimizer option.
-
-    A ``ValueError`` (bad configuration) and a ``NotImplementedError`` (planned
-    feature), so callers may catch either."""
+    """A wrong (``ValueError``) or not-yet-supported (``NotImplementedError``) option."""
 
 
 def _name(dtype) -> str:
@@ -207,6 +204,9 @@ class Groups:
     redundant: object  # the shards are replicated over it (comm.SELF when trivial)
     model_parallel: dist.ProcessGroup | None  # TP/PP: the grad norm also reduces over it
     tensor_parallel_rank: int  # TP-replicated parameters count in the norm on TP rank 0
+    distributed_size: int
+    distributed_rank: int
+    redundant_size: int
 
     @classmethod
     def resolve(cls, process_group, distributed_group, redundant_group,
@@ -228,19 +228,7 @@ class Groups:
                 f"process_group size ({n}) must equal distributed_process_group size ({d}) x "
                 f"redundant_process_group size ({r})")
         return cls(process_group, distributed_group, redundant_group, model_parallel_group,
-                   tensor_parallel_rank)
-
-    @property
-    def distributed_size(self) -> int:
-        return comm.group_size(self.distributed)
-
-    @property
-    def distributed_rank(self) -> int:
-        return comm.group_rank(self.distributed)
-
-    @property
-    def redundant_size(self) -> int:
-        return comm.group_size(self.redundant)
+                   tensor_parallel_rank, d, comm.group_rank(distributed_group), r)
 
     @property
     def local_only(self) -> bool:

@@ -4,21 +4,12 @@ States of a bucket's parameters::
 
     CURRENT --mark_stale--> STALE --start--> GATHERING --finish--> CURRENT
 
-``mark_stale`` hands out a shard-sized buffer (in the param-sync dtype) for the
-step to write its updated shard into; :meth:`ParamBucket.start` allocates the
-full-size buffer only then and gathers into it, and :meth:`ParamBucket.finish`
-copies every fragment into its parameter and frees it. With a contiguous param
-buffer the shard is this rank's slice of the parameters themselves and the
-gather runs in place there (nothing is allocated).
-
-Memory: between ``step()`` and the gathers only the shards are held (P/d
-elements); at most ``pipeline_size`` full buckets are gathering at any time —
-starting one more first finishes the oldest — so the transient of a parameter
-sync is bounded by the bucket size, not by the model size.
-
-Gathers are always *started* in descending bucket order (the forward order of a
-backward-ordered layout), whatever triggered them, so every rank issues the same
-collectives in the same order.
+``mark_stale`` hands out a shard-sized buffer (param-sync dtype) for the step's output;
+``start`` allocates the full-size buffer only then and gathers into it; ``finish``
+copies every fragment into its parameter and frees it (with a contiguous param buffer
+the gather runs in place in the parameters). At most ``pipeline_size`` buckets gather
+at once, so the transient is bounded by the bucket size. Gathers start in descending
+bucket order (forward order) whatever triggered them, the same on every rank.
 """
 
 from __future__ import annotations

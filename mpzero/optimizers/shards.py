@@ -1,12 +1,8 @@
-"""The shard store: which parameter element lives in which bucket, and this rank's
-optimizer state for each bucket's shard.
-
-A :class:`ShardStore` registers the parameters, lays them out into buckets (the pure
-functions of ``layout.py``, keyed by :class:`~mpzero.optimizers.options.BucketKey`),
-and, once the layout is final (:meth:`ShardStore.build`), holds per bucket a
-:class:`ShardState` (master, moments, remainders or scaled states), the persistent
-gradient / parameter buffers and the NCCL memory pool. Everything the step, the
-checkpoints and the gradient norm read goes through its public methods.
+"""The shard store: which parameter element lives in which bucket (``layout.py``, keyed
+by :class:`~mpzero.optimizers.options.BucketKey`) and, once the layout is final
+(:meth:`ShardStore.build`), this rank's :class:`ShardState` per bucket (master, moments,
+remainders or scaled states), the persistent buffers and the NCCL memory pool. The
+step, the checkpoints and the norm read it through its public methods.
 """
 
 from __future__ import annotations

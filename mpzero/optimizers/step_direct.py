@@ -1,6 +1,5 @@
-"""The step's reading of direct gradients (grad_sync.py): where every planned bucket of a
-phase writes its parameters in place and holds direct gradients, the fused Adam reads
-those gradients themselves, one tensor per piece, instead of a bucket shard."""
+"""Direct gradients in the step (grad_bucket.py): where every planned bucket of a phase
+writes its parameters in place and holds direct gradients, the fused Adam reads them."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """The fused Adam launches of one step phase, worked out once.
 
-A phase (a set of buckets stepped together) launches the same kernels on the same
-state tensors every step: slices of the master, moment and remainder shards and,
-where the step writes the parameters in place, the parameters' own flat slices.
-Only the reduced gradient shards and the shard-sized output buffers are new tensors
-each step. A :class:`StepPlan` keeps the static argument lists and, per bucket, the
-split sizes that cut the new tensors into the slices the lists need: one ``split``
-per bucket and step instead of a Python slice per fragment and list, and the
-kernel implementation chosen once instead of dtype/device checks per call. Where the
-implementation has a native plan (the CUDA kernels, ``kernels.adam_plan``), later
-steps skip the split too: the native plan holds the static lists and takes only the
-per-step tensors (``Launch.per_step``).
-
-The state tensors are never replaced (loading copies into them) and the
-parameters' storage does not move after the layout is made, so a plan stays valid
-for the optimizer's lifetime.
+A phase launches the same kernels on the same state slices every step; only the
+gradient shards and the output buffers are new. A :class:`StepPlan` keeps the static
+argument lists and the split sizes that cut the new tensors (one ``split`` per bucket
+instead of a slice per fragment), with the kernel chosen once; where the kernels have a
+native plan (``kernels.adam_plan``) later steps pass only the per-step tensors. State
+tensors are never replaced and parameters do not move, so a plan lives as long as the
+optimizer.
 """
 
 from __future__ import annotations

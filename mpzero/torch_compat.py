@@ -161,7 +161,7 @@ def check_param_group_options(group: dict, index: int, *, adam_w_mode: bool | No
             f"{sorted(OPTIMIZER_PARAM_GROUP_KEYS - {'params'})} (plus LR-scheduler keys "
             f"{sorted(SCHEDULER_PARAM_GROUP_KEYS)}), so this key would be silently ignored. "
             "Fix the spelling, or, if your own code reads it, call "
-            f"mpzero.optimizers.torch_compat.register_param_group_key({key!r})")
+            f"mpzero.torch_compat.register_param_group_key({key!r})")
 
 
 # ---------------------------------------------------------------------- DDP
