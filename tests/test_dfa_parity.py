@@ -106,15 +106,23 @@ def _accumulate_late_grads(grid, case, use_no_sync, cap, order):
     return True
 
 
+def _late_grad_cases():
+    """32 cases x 6 bucket layouts and orders. The quick tier keeps the 2-rank grid for
+    every case and the 2 x 2 grid for the rank-dependent one (together they hold what the
+    others do: sharding, redundancy, rank-dependent gaps); the rest run in `make test`."""
+    cases = []
+    for use_no_sync in (False, True):
+        for case in ("head_first", "fc1_first", "rank_dependent", "middle_only"):
+            for world_size, grid in ((1, "flat"), (2, "flat"), (4, "flat"), (4, "2x2")):
+                quick = grid == "flat" and world_size == 2 or (
+                    grid == "2x2" and case == "rank_dependent")
+                cases.append(pytest.param(world_size, grid, case, use_no_sync,
+                                          marks=() if quick else pytest.mark.slow))
+    return cases
+
+
 @pytest.mark.timeout(240)
-# 32 cases x 6 bucket layouts and orders: the 2-rank and the 2 x 2 grids in the quick tier
-# (together they hold what the others do: sharding, redundancy, rank-dependent gaps), the
-# single rank and the flat 4 in `make test`.
-@pytest.mark.parametrize("world_size,grid", [
-    pytest.param(1, "flat", marks=pytest.mark.slow), (2, "flat"),
-    pytest.param(4, "flat", marks=pytest.mark.slow), (4, "2x2")])
-@pytest.mark.parametrize("case", ["head_first", "fc1_first", "rank_dependent", "middle_only"])
-@pytest.mark.parametrize("use_no_sync", [False, True])
+@pytest.mark.parametrize("world_size,grid,case,use_no_sync", _late_grad_cases())
 def test_accumulation_param_without_grad_in_first_microbatch(world, world_size, grid, case,
                                                              use_no_sync):
     for cap in (TINY, LARGE):

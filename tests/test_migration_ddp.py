@@ -412,6 +412,7 @@ def _state_dict_on_rank0_only():
         del os.environ[cc.COLLECTIVE_CHECK_ENV]
 
 
+@pytest.mark.slow
 def test_state_dict_on_rank0_only_fails_in_bounded_time(world):
     """The DDP habit ``if rank == 0: torch.save(optimizer.state_dict(), ...)``: an error
     within the timeout that says every rank must call it, not a hang."""

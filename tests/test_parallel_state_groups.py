@@ -258,6 +258,7 @@ def _reduce_scatter_without_a_peer():
         ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_collective_without_a_peer_fails_after_the_group_timeout():
     from mpzero.testing import World

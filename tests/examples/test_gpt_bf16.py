@@ -126,6 +126,7 @@ def check_setups(r: dict) -> None:
 
 # The product's setups in the quick tier; the comparison baseline (bench/dp_adamw.py,
 # torch AdamW on MasterWeights) against DFA in `make test`.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bf16_dfa_and_remainders_agree_and_track_fp32(world):
     for r in world(2, _run_setups, keys=("fp32", "dfa", "remainders")):

@@ -55,6 +55,7 @@ def _compiled_loss_matches_eager(tp: int):
     return breaks
 
 
+@pytest.mark.slow
 def test_block_mode_compiles_the_loss(world):
     (breaks,) = world(1, _compiled_loss_matches_eager, 1, timeout=180)
     assert breaks == 0

@@ -45,6 +45,7 @@ def test_reference_kernel_sums_the_rounded_gradient():
     assert torch.equal(db, dx.float().sum(0).to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_bias_gelu_compiled_equals_eager():
     x, b, g = _randn(0, 4, 32), _randn(1, 32), _randn(2, 4, 32)
     eager = _both(bias_gelu, x, b, g, "tanh")

@@ -158,6 +158,7 @@ def test_dfa_fused_equals_plain(world, size, no_sync, greedy):
     assert all(world(size, _fused_equals_plain, torch.float32, no_sync, greedy))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dfa_fused_compiled(world):
     """torch.compile keeps the accumulation one in-place call on the buffer."""
