@@ -1,0 +1,360 @@
+// mpzero._cpu: the multi-threaded CPU Adam/AdamW step (mpzero/kernels/cpu_adam.py).
+//
+// A plain CPython extension with no torch headers: the Python wrapper validates the tensors
+// and passes their addresses in a table, so this file compiles in about a second and does
+// not depend on torch's C++ ABI. One pass over memory: each thread takes work items of
+// kItem elements (dynamic, so a descheduled thread on a shared host holds nobody up) and
+// walks them in blocks of kBlock elements; a block's converted gradients and merged
+// masters live in stack buffers that stay in L1, so conversions cost no memory traffic.
+//
+// Numerics: the reference's (mpzero/kernels/reference.py) operation by operation, each
+// rounded (the build passes -ffp-contract=off so no multiply-add is fused, and no
+// fast-math: division and square root are IEEE), so the result is bit for bit the
+// reference's. Two shortcuts are exact: without a grad scale the gradient is multiplied by
+// 1.0f, without bias correction the moments by 1.0f (x * 1 == x for every value these
+// see; a signalling NaN would come out quiet, as any later operation makes it anyway).
+//
+// Threads: our own small pool (not torch's intra-op pool, which training ranks set to one
+// thread, nor OpenMP, whose runtime would be a second copy beside torch's). The caller
+// runs part of the work; a fork child starts a fresh pool.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+// x86-64 Linux: one copy of each block function per instruction set, picked once at load
+// time (ifunc), so a distributed build needs no -march and still gets AVX2/AVX-512.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define MPZERO_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define MPZERO_CLONES
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 512;        // elements per block (2 KiB fp32 buffers, in L1)
+constexpr int64_t kItem = 1 << 15;     // elements per work item a thread takes
+constexpr int64_t kPerThread = 1 << 16;  // fewer elements than this per thread: fewer threads
+
+// dtype codes, as mpzero/kernels/cpu_adam.py writes them
+enum : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kNoOut = 3 };
+
+struct Hyper {
+  float lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2, gs;
+  int adam_w;
+};
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+// c ? a : b without a branch (GCC leaves nested ternaries of the fp16 conversions scalar).
+inline uint32_t select(bool c, uint32_t a, uint32_t b) { return b ^ ((a ^ b) & (0u - c)); }
+
+// ---- block functions (auto-vectorized; one clone per instruction set) ----
+
+MPZERO_CLONES void adam_block(float* __restrict p, const float* __restrict g,
+                              float* __restrict m, float* __restrict v, int64_t n, Hyper h) {
+  const float lr = h.lr, b1 = h.beta1, b2 = h.beta2, omb1 = h.omb1, omb2 = h.omb2,
+              eps = h.eps, wd = h.wd, bc1 = h.bc1, bc2 = h.bc2, gs = h.gs;
+  if (h.adam_w) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = g[i] * gs;
+      const float mi = b1 * m[i] + omb1 * gi;
+      const float vi = b2 * v[i] + omb2 * (gi * gi);
+      float u = (mi * bc1) / (__builtin_sqrtf(vi * bc2) + eps);
+      u = u + wd * p[i];
+      p[i] = p[i] - lr * u;
+      m[i] = mi;
+      v[i] = vi;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      float gi = g[i] * gs;
+      gi = gi + wd * p[i];
+      const float mi = b1 * m[i] + omb1 * gi;
+      const float vi = b2 * v[i] + omb2 * (gi * gi);
+      const float u = (mi * bc1) / (__builtin_sqrtf(vi * bc2) + eps);
+      p[i] = p[i] - lr * u;
+      m[i] = mi;
+      v[i] = vi;
+    }
+  }
+}
+
+MPZERO_CLONES void bf16_to_f32(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = float_of(uint32_t(x[i]) << 16);
+}
+
+// Exact: every fp16 value is an fp32 value.
+MPZERO_CLONES void f16_to_f32(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t h = x[i];
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+    const uint32_t normal = sign | ((e + 112u) << 23) | (f << 13);
+    const uint32_t special = sign | 0x7F800000u | (f << 13);  // inf, NaN
+    const uint32_t sub = sign | bits_of(float(f) * 5.9604644775390625e-8f);  // f * 2^-24
+    y[i] = float_of(select(e == 0, sub, select(e == 31, special, normal)));
+  }
+}
+
+// Round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16 conversion.
+MPZERO_CLONES void f32_to_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits_of(x[i]);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    y[i] = uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
+  }
+}
+
+// Round to nearest even, overflow to inf, NaN -> 0x7E00: torch's float -> half conversion.
+MPZERO_CLONES void f32_to_f16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = bits_of(x[i]);
+    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    const uint32_t t = a - 0x38000000u;  // exponent rebiased 127 -> 15 (used when normal)
+    uint32_t hn = (t + 0xFFFu + ((t >> 13) & 1u)) >> 13;
+    hn = std::min(hn, 0x7C00u);
+    // |x| < 2^-14: adding 0.5 leaves an ulp of 2^-24, so the hardware rounds the fp16
+    // subnormal's mantissa (up to 0x400, the smallest normal) into the low bits.
+    const uint32_t hs = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+    const uint32_t h = select(a > 0x7F800000u, 0x7E00u, select(a < 0x38800000u, hs, hn));
+    y[i] = uint16_t(sign | h);
+  }
+}
+
+// The remainder rule of mpzero/kernels/precision.py, on raw bits.
+MPZERO_CLONES void merge_block(const uint16_t* __restrict p, const uint16_t* __restrict r,
+                               float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t hi = (uint32_t(p[i]) - (uint32_t(r[i]) >> 15)) & 0xFFFFu;
+    x[i] = float_of((hi << 16) | r[i]);
+  }
+}
+
+MPZERO_CLONES void split_block(const float* __restrict x, uint16_t* __restrict p,
+                               uint16_t* __restrict r, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = bits_of(x[i]);
+    const uint32_t lo = b & 0xFFFFu;
+    p[i] = uint16_t(((b >> 16) + (lo >> 15)) & 0xFFFFu);  // +1 ulp of magnitude: ties away
+    r[i] = uint16_t(lo);
+  }
+}
+
+// ---- the step over a table of tensors ----
+
+// One row per tensor, as the wrapper packs it (int64 each): addresses of p (fp32, or bf16
+// with remainders), remainder (int16; 0 without), g, m, v, out (0: none), then the element
+// count and the dtype codes of g and out.
+struct Row {
+  int64_t p, rem, g, m, v, out, numel, g_dtype, out_dtype;
+};
+static_assert(sizeof(Row) == 9 * sizeof(int64_t), "Row is the wrapper's 9 int64 columns");
+
+struct Item {
+  int64_t row, begin, end;
+};
+
+struct Job {
+  const Row* rows;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  Hyper h;
+  bool remainders;
+};
+
+// The block's gradients as fp32: in place for fp32, else converted into buf.
+inline const float* grads_f32(const Row& r, int64_t b, int64_t n, float* buf) {
+  if (r.g_dtype == kF32) return reinterpret_cast<const float*>(r.g) + b;
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(r.g) + b;
+  if (r.g_dtype == kBF16) bf16_to_f32(g, buf, n);
+  else f16_to_f32(g, buf, n);
+  return buf;
+}
+
+// The updated fp32 values x of the block into out (its own dtype; hi: their bf16 halves
+// when the remainders already made them).
+inline void write_out(const Row& r, int64_t b, int64_t n, const float* x, const uint16_t* hi) {
+  switch (r.out_dtype) {
+    case kF32: {
+      float* o = reinterpret_cast<float*>(r.out) + b;
+      if (o != x) std::memmove(o, x, n * sizeof(float));
+      break;
+    }
+    case kBF16: {
+      uint16_t* o = reinterpret_cast<uint16_t*>(r.out) + b;
+      if (hi != nullptr) {
+        if (o != hi) std::memmove(o, hi, n * sizeof(uint16_t));
+      } else {
+        f32_to_bf16(x, o, n);
+      }
+      break;
+    }
+    case kF16: f32_to_f16(x, reinterpret_cast<uint16_t*>(r.out) + b, n); break;
+    default: break;
+  }
+}
+
+void run_item(const Job& job, const Item& it) {
+  alignas(64) float gbuf[kBlock];
+  alignas(64) float xbuf[kBlock];
+  const Row& r = job.rows[it.row];
+  float* m = reinterpret_cast<float*>(r.m);
+  float* v = reinterpret_cast<float*>(r.v);
+  for (int64_t b = it.begin; b < it.end; b += kBlock) {
+    const int64_t n = std::min(kBlock, it.end - b);
+    const float* g = grads_f32(r, b, n, gbuf);
+    if (!job.remainders) {
+      float* p = reinterpret_cast<float*>(r.p) + b;
+      adam_block(p, g, m + b, v + b, n, job.h);
+      write_out(r, b, n, p, nullptr);
+    } else {
+      uint16_t* p = reinterpret_cast<uint16_t*>(r.p) + b;
+      uint16_t* rem = reinterpret_cast<uint16_t*>(r.rem) + b;
+      merge_block(p, rem, xbuf, n);
+      adam_block(xbuf, g, m + b, v + b, n, job.h);
+      split_block(xbuf, p, rem, n);
+      write_out(r, b, n, xbuf, p);
+    }
+  }
+}
+
+void work(void* arg, int) {
+  Job& job = *static_cast<Job*>(arg);
+  const int64_t total = static_cast<int64_t>(job.items.size());
+  for (;;) {
+    const int64_t k = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= total) return;
+    run_item(job, job.items[k]);
+  }
+}
+
+// A fixed set of workers that sleep between runs; run(n, fn, arg) calls fn(arg, i) for i in
+// [0, n), i = 0 on the caller's thread, and returns when all are done.
+class Pool {
+ public:
+  void run(int n, void (*fn)(void*, int), void* arg) {
+    std::lock_guard<std::mutex> one_run(run_mu_);  // callers on several Python threads
+    if (n > 1) {
+      std::unique_lock<std::mutex> lk(mu_);
+      while (static_cast<int>(workers_) < n - 1) {
+        const int id = static_cast<int>(++workers_);
+        std::thread(&Pool::loop, this, id, gen_).detach();  // never joined: lives with us
+      }
+      fn_ = fn;
+      arg_ = arg;
+      active_ = n;
+      remaining_ = n - 1;
+      ++gen_;
+      lk.unlock();
+      start_.notify_all();
+    }
+    fn(arg, 0);
+    if (n > 1) {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_.wait(lk, [&] { return remaining_ == 0; });
+    }
+  }
+
+ private:
+  void loop(int id, uint64_t seen) {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      start_.wait(lk, [&] { return gen_ != seen; });
+      seen = gen_;
+      if (id >= active_) continue;
+      auto fn = fn_;
+      void* arg = arg_;
+      lk.unlock();
+      fn(arg, id);
+      lk.lock();
+      if (--remaining_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable start_, done_;
+  size_t workers_ = 0;
+  uint64_t gen_ = 0;
+  int active_ = 0, remaining_ = 0;
+  void (*fn_)(void*, int) = nullptr;
+  void* arg_ = nullptr;
+};
+
+// Never destroyed (detached workers may still wait on it at exit); a fork child, which has
+// none of the parent's workers, gets a fresh one.
+Pool* g_pool = nullptr;
+std::once_flag g_pool_once;
+
+Pool& pool() {
+  std::call_once(g_pool_once, [] {
+    g_pool = new Pool();
+    pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  });
+  return *g_pool;
+}
+
+// adam(table, remainders, lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2, grad_scale,
+//      adam_w_mode, threads)
+PyObject* py_adam(PyObject*, PyObject* args) {
+  Py_buffer table;
+  int remainders, adam_w, threads;
+  Hyper h{};
+  if (!PyArg_ParseTuple(args, "y*pffffffffffpi", &table, &remainders, &h.lr, &h.beta1,
+                        &h.beta2, &h.omb1, &h.omb2, &h.eps, &h.wd, &h.bc1, &h.bc2, &h.gs,
+                        &adam_w, &threads))
+    return nullptr;
+  h.adam_w = adam_w;
+  if (table.len % static_cast<Py_ssize_t>(sizeof(Row)) != 0) {
+    PyBuffer_Release(&table);
+    PyErr_SetString(PyExc_ValueError, "mpzero._cpu.adam: the table must be rows of 9 int64");
+    return nullptr;
+  }
+  Job job;
+  job.rows = static_cast<const Row*>(table.buf);
+  job.h = h;
+  job.remainders = remainders != 0;
+  const int64_t rows = table.len / static_cast<Py_ssize_t>(sizeof(Row));
+  int64_t total = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = job.rows[i].numel;
+    total += n;
+    for (int64_t b = 0; b < n; b += kItem) job.items.push_back({i, b, std::min(n, b + kItem)});
+  }
+  const int64_t most = std::max<int64_t>(1, total / kPerThread);
+  const int n_threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+  Py_BEGIN_ALLOW_THREADS
+  pool().run(n_threads, work, &job);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&table);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"adam", py_adam, METH_VARARGS,
+     "Adam/AdamW over a table of tensor addresses (see mpzero/kernels/cpu_adam.py)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "mpzero._cpu",
+                      "mpzero's multi-threaded CPU Adam step", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }
