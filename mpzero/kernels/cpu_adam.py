@@ -140,11 +140,11 @@ def _table(name: str, lists) -> array:
     return rows
 
 
-def _f32(x) -> float:
-    """``x`` (a number or a 0-dim tensor) rounded to fp32, as the reference uses it."""
-    if isinstance(x, torch.Tensor):
-        return float(x.reshape(()).float())
-    return float(torch.tensor(float(x), dtype=torch.float32))
+def _num(x) -> float:
+    """``x`` (a number or a one-element tensor) as a Python float; the extension rounds
+    every hyper-parameter to fp32 (round to nearest even, as ``torch.tensor(x,
+    dtype=torch.float32)`` does in the reference)."""
+    return float(x.reshape(())) if isinstance(x, torch.Tensor) else float(x)
 
 
 def _run(name: str, lists, remainders: bool, *, lr, beta1, beta2, eps, weight_decay, step,
@@ -156,13 +156,15 @@ def _run(name: str, lists, remainders: bool, *, lr, beta1, beta2, eps, weight_de
     # A CPU flag: reading it is no device sync (a CUDA flag would wait for its stream).
     if found_inf is not None and bool(found_inf.reshape(()) != 0):
         return
-    if bias_correction:
-        bc1, bc2 = (float(c) for c in bias_corrections(beta1, beta2, step, torch.device("cpu")))
-    else:
+    if not bias_correction:
         bc1 = bc2 = 1.0
+    elif isinstance(step, torch.Tensor):  # fp64 pow in torch, as the reference computes it
+        bc1, bc2 = (float(c) for c in bias_corrections(beta1, beta2, step, torch.device("cpu")))
+    else:  # the reference's Python expressions, rounded to fp32 by the extension
+        bc1, bc2 = 1.0 / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step)
     n = get_threads() if threads is None else int(threads)
-    _cpu.adam(table, remainders, _f32(lr), beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
-              weight_decay, bc1, bc2, 1.0 if grad_scale is None else _f32(grad_scale),
+    _cpu.adam(table, remainders, _num(lr), beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
+              weight_decay, bc1, bc2, 1.0 if grad_scale is None else _num(grad_scale),
               bool(adam_w_mode), max(1, n))
 
 
