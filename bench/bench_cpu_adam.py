@@ -7,8 +7,12 @@ Every row steps one flat tensor per state (as an offloaded optimizer shard is) o
 ``size`` million parameters, AdamW, fp32 state. All rows share one arena of 28 bytes per
 parameter, so the largest size needs 28 B x size of memory and no more:
 
-- ``copy floor``: ``dst.copy_(src)`` of 14 B/param each way (28 B moved), torch on
-  ``--threads`` threads: the host's copy rate on these bytes;
+- ``copy floor``: a copy of 14 B/param (28 B moved: read + written) on the kernel's own
+  pool of ``--threads`` threads (``mpzero._cpu.copy``, memcpy in 1 MiB items taken as
+  the step takes its items): the host's copy rate on these bytes, scheduled as the
+  step is; ``% floor`` is relative to it;
+- ``torch copy_``: ``dst.copy_(src)`` of the same bytes, torch on ``--threads`` threads
+  (its OpenMP threads wait for each other, which a loaded host makes slower);
 - ``mpzero._cpu``: :func:`mpzero.kernels.cpu_adam.adam` on ``--threads`` threads (its own
   pool: torch's thread count does not matter to it), fp32 p, g, m, v (28 B);
 - ``torch AdamW fused`` / ``foreach``: ``torch.optim.AdamW(fused=True / foreach=True)``,
@@ -62,10 +66,16 @@ class Arena:
                      (self.g16, 1e-3), (self.p16, 0.5), (self.rem, 0)):
             t.fill_(x)
 
-    def copy_floor(self):
+    def copy_floor(self, threads: int | None = None):
+        """A copy of half the arena onto the other half: ``mpzero._cpu.copy`` on
+        ``threads`` threads, or torch's ``copy_`` (``threads`` None)."""
         half = 7 * self.n // 2
         src, dst = self.buf[:half], self.buf[half:2 * half]
-        return lambda: dst.copy_(src)
+        if threads is None:
+            return lambda: dst.copy_(src)
+        from mpzero import _cpu
+
+        return lambda: _cpu.copy(dst.data_ptr(), src.data_ptr(), half * 4, threads)
 
 
 def _mpzero(a: Arena, threads: int, mode: str):
@@ -114,6 +124,7 @@ def _deepspeed(a: Arena, threads: int):
 
 ROWS = [  # name, bytes per parameter
     ("copy floor", 28),
+    ("torch copy_", 28),
     ("mpzero._cpu fp32", 28),
     ("torch AdamW fused", 28),
     ("torch AdamW foreach", 28),
@@ -126,7 +137,8 @@ ROWS = [  # name, bytes per parameter
 def bench(n: int, threads: int, reps: int, rounds: int) -> list[tuple[str, int, float | str]]:
     a = Arena(n)
     fns = {
-        "copy floor": a.copy_floor(),
+        "copy floor": a.copy_floor(threads),
+        "torch copy_": a.copy_floor(),
         "mpzero._cpu fp32": _mpzero(a, threads, "fp32"),
         "torch AdamW fused": _torch(a, fused=True),
         "torch AdamW foreach": _torch(a, foreach=True),
@@ -145,7 +157,7 @@ def bench(n: int, threads: int, reps: int, rounds: int) -> list[tuple[str, int, 
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-            if name == "copy floor":
+            if name.startswith(("copy", "torch copy")):
                 a.reset()  # the copy overwrote the states
     out = []
     for name, nbytes in ROWS:

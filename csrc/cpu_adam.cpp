@@ -347,7 +347,44 @@ PyObject* py_adam(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// copy(dst, src, nbytes, threads): memcpy on the pool, in items of 1 MiB. The bench's
+// floor: the copy rate the host gives the same threads, scheduled as the step is.
+struct CopyJob {
+  char* dst;
+  const char* src;
+  int64_t bytes;
+  std::atomic<int64_t> next{0};
+};
+constexpr int64_t kCopyItem = 1 << 20;
+
+void copy_work(void* arg, int) {
+  CopyJob& job = *static_cast<CopyJob*>(arg);
+  for (;;) {
+    const int64_t at = job.next.fetch_add(1, std::memory_order_relaxed) * kCopyItem;
+    if (at >= job.bytes) return;
+    std::memcpy(job.dst + at, job.src + at, std::min(kCopyItem, job.bytes - at));
+  }
+}
+
+PyObject* py_copy(PyObject*, PyObject* args) {
+  long long dst, src, bytes;
+  int threads;
+  if (!PyArg_ParseTuple(args, "LLLi", &dst, &src, &bytes, &threads)) return nullptr;
+  CopyJob job;
+  job.dst = reinterpret_cast<char*>(dst);
+  job.src = reinterpret_cast<const char*>(src);
+  job.bytes = bytes;
+  const int64_t most = std::max<int64_t>(1, bytes / (4 * kCopyItem));
+  const int n_threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+  Py_BEGIN_ALLOW_THREADS
+  pool().run(n_threads, copy_work, &job);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
+    {"copy", py_copy, METH_VARARGS,
+     "copy(dst_address, src_address, nbytes, threads): memcpy on the step's thread pool"},
     {"adam", py_adam, METH_VARARGS,
      "Adam/AdamW over a table of tensor addresses (see mpzero/kernels/cpu_adam.py)"},
     {nullptr, nullptr, 0, nullptr}};
