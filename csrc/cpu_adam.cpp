@@ -1,11 +1,13 @@
 // mpzero._cpu: the multi-threaded CPU Adam/AdamW step (mpzero/kernels/cpu_adam.py).
 //
 // A plain CPython extension with no torch headers: the Python wrapper validates the tensors
-// and passes their addresses in a table, so this file compiles in about a second and does
-// not depend on torch's C++ ABI. One pass over memory: each thread takes work items of
-// kItem elements (dynamic, so a descheduled thread on a shared host holds nobody up) and
-// walks them in blocks of kBlock elements; a block's converted gradients and merged
-// masters live in stack buffers that stay in L1, so conversions cost no memory traffic.
+// and passes their addresses in a table, so this file compiles in seconds and does not
+// depend on torch's C++ ABI. One pass over memory: each thread takes work items of kItem
+// elements (dynamic, so a descheduled thread on a shared host holds nobody up) and runs
+// one loop over each, specialised for its gradient and output dtypes and master kind, so
+// 16-bit values are widened, merged, split and narrowed in registers. (Staging them
+// through L1 buffers instead cost 12% at one thread: a core's share of the bandwidth
+// shrinks with every extra instruction between its loads.)
 //
 // Numerics: the reference's (mpzero/kernels/reference.py) operation by operation, each
 // rounded (the build passes -ffp-contract=off so no multiply-add is fused, and no
@@ -42,12 +44,8 @@
 
 namespace {
 
-constexpr int64_t kBlock = 512;        // elements per block (2 KiB fp32 buffers, in L1)
 constexpr int64_t kItem = 1 << 15;     // elements per work item a thread takes
 constexpr int64_t kPerThread = 1 << 16;  // fewer elements than this per thread: fewer threads
-
-// dtype codes, as mpzero/kernels/cpu_adam.py writes them
-enum : int64_t { kF32 = 0, kBF16 = 1, kF16 = 2, kNoOut = 3 };
 
 struct Hyper {
   float lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2, gs;
@@ -67,94 +65,98 @@ inline float float_of(uint32_t u) {
 // c ? a : b without a branch (GCC leaves nested ternaries of the fp16 conversions scalar).
 inline uint32_t select(bool c, uint32_t a, uint32_t b) { return b ^ ((a ^ b) & (0u - c)); }
 
-// ---- block functions (auto-vectorized; one clone per instruction set) ----
+// ---- conversions, inlined into the loops below ----
 
-MPZERO_CLONES void adam_block(float* __restrict p, const float* __restrict g,
-                              float* __restrict m, float* __restrict v, int64_t n, Hyper h) {
-  const float lr = h.lr, b1 = h.beta1, b2 = h.beta2, omb1 = h.omb1, omb2 = h.omb2,
-              eps = h.eps, wd = h.wd, bc1 = h.bc1, bc2 = h.bc2, gs = h.gs;
-  if (h.adam_w) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float gi = g[i] * gs;
-      const float mi = b1 * m[i] + omb1 * gi;
-      const float vi = b2 * v[i] + omb2 * (gi * gi);
-      float u = (mi * bc1) / (__builtin_sqrtf(vi * bc2) + eps);
-      u = u + wd * p[i];
-      p[i] = p[i] - lr * u;
-      m[i] = mi;
-      v[i] = vi;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      float gi = g[i] * gs;
-      gi = gi + wd * p[i];
-      const float mi = b1 * m[i] + omb1 * gi;
-      const float vi = b2 * v[i] + omb2 * (gi * gi);
-      const float u = (mi * bc1) / (__builtin_sqrtf(vi * bc2) + eps);
-      p[i] = p[i] - lr * u;
-      m[i] = mi;
-      v[i] = vi;
-    }
-  }
-}
+#define MPZERO_INLINE __attribute__((always_inline)) inline
 
-MPZERO_CLONES void bf16_to_f32(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = float_of(uint32_t(x[i]) << 16);
-}
+MPZERO_INLINE float bf16_to_f32(uint16_t x) { return float_of(uint32_t(x) << 16); }
 
 // Exact: every fp16 value is an fp32 value.
-MPZERO_CLONES void f16_to_f32(const uint16_t* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t h = x[i];
-    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
-    const uint32_t normal = sign | ((e + 112u) << 23) | (f << 13);
-    const uint32_t special = sign | 0x7F800000u | (f << 13);  // inf, NaN
-    const uint32_t sub = sign | bits_of(float(f) * 5.9604644775390625e-8f);  // f * 2^-24
-    y[i] = float_of(select(e == 0, sub, select(e == 31, special, normal)));
-  }
+MPZERO_INLINE float f16_to_f32(uint16_t x) {
+  const uint32_t h = x;
+  const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+  const uint32_t normal = sign | ((e + 112u) << 23) | (f << 13);
+  const uint32_t special = sign | 0x7F800000u | (f << 13);  // inf, NaN
+  const uint32_t sub = sign | bits_of(float(f) * 5.9604644775390625e-8f);  // f * 2^-24
+  return float_of(select(e == 0, sub, select(e == 31, special, normal)));
 }
 
 // Round to nearest even, NaN -> 0x7FC0: torch's float -> bfloat16 conversion.
-MPZERO_CLONES void f32_to_bf16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = bits_of(x[i]);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    y[i] = uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
-  }
+MPZERO_INLINE uint16_t f32_to_bf16(float x) {
+  const uint32_t u = bits_of(x);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return uint16_t(select((u & 0x7FFFFFFFu) > 0x7F800000u, 0x7FC0u, r));
 }
 
 // Round to nearest even, overflow to inf, NaN -> 0x7E00: torch's float -> half conversion.
-MPZERO_CLONES void f32_to_f16(const float* __restrict x, uint16_t* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = bits_of(x[i]);
-    const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    const uint32_t t = a - 0x38000000u;  // exponent rebiased 127 -> 15 (used when normal)
-    uint32_t hn = (t + 0xFFFu + ((t >> 13) & 1u)) >> 13;
-    hn = std::min(hn, 0x7C00u);
-    // |x| < 2^-14: adding 0.5 leaves an ulp of 2^-24, so the hardware rounds the fp16
-    // subnormal's mantissa (up to 0x400, the smallest normal) into the low bits.
-    const uint32_t hs = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
-    const uint32_t h = select(a > 0x7F800000u, 0x7E00u, select(a < 0x38800000u, hs, hn));
-    y[i] = uint16_t(sign | h);
-  }
+MPZERO_INLINE uint16_t f32_to_f16(float x) {
+  const uint32_t u = bits_of(x);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  const uint32_t t = a - 0x38000000u;  // exponent rebiased 127 -> 15 (used when normal)
+  const uint32_t hn = std::min((t + 0xFFFu + ((t >> 13) & 1u)) >> 13, 0x7C00u);
+  // |x| < 2^-14: adding 0.5 leaves an ulp of 2^-24, so the hardware rounds the fp16
+  // subnormal's mantissa (up to 0x400, the smallest normal) into the low bits.
+  const uint32_t hs = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  return uint16_t(sign | select(a > 0x7F800000u, 0x7E00u, select(a < 0x38800000u, hs, hn)));
 }
 
-// The remainder rule of mpzero/kernels/precision.py, on raw bits.
-MPZERO_CLONES void merge_block(const uint16_t* __restrict p, const uint16_t* __restrict r,
-                               float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t hi = (uint32_t(p[i]) - (uint32_t(r[i]) >> 15)) & 0xFFFFu;
-    x[i] = float_of((hi << 16) | r[i]);
-  }
+// dtype codes, as mpzero/kernels/cpu_adam.py writes them
+enum : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNoOut = 3 };
+
+template <int G>
+MPZERO_INLINE float load_grad(const void* g, int64_t i) {
+  if constexpr (G == kF32) return static_cast<const float*>(g)[i];
+  else if constexpr (G == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+  else return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
 }
 
-MPZERO_CLONES void split_block(const float* __restrict x, uint16_t* __restrict p,
-                               uint16_t* __restrict r, int64_t n) {
+// x: the new fp32 value; hi: its bf16 half when remainders made one (else unused).
+template <int O>
+MPZERO_INLINE void store_out(void* o, int64_t i, float x, uint16_t hi, bool rem) {
+  if constexpr (O == kF32) static_cast<float*>(o)[i] = x;
+  else if constexpr (O == kBF16) static_cast<uint16_t*>(o)[i] = rem ? hi : f32_to_bf16(x);
+  else if constexpr (O == kF16) static_cast<uint16_t*>(o)[i] = f32_to_f16(x);
+}
+
+// ---- the update: one loop per (gradient dtype, output dtype, master kind, decay mode) ----
+
+// p: fp32 master (REM false) or bf16 bits with r the int16 remainders (REM true, the
+// rule of mpzero/kernels/precision.py on raw bits). W: AdamW's decoupled decay, else L2.
+template <int G, int O, bool REM, bool W>
+MPZERO_INLINE void update(void* __restrict p, uint16_t* __restrict r, const void* __restrict g,
+                          float* __restrict m, float* __restrict v, void* __restrict o,
+                          int64_t n, const Hyper& h) {
+  const float lr = h.lr, b1 = h.beta1, b2 = h.beta2, omb1 = h.omb1, omb2 = h.omb2,
+              eps = h.eps, wd = h.wd, bc1 = h.bc1, bc2 = h.bc2, gs = h.gs;
+  float* pf = static_cast<float*>(p);
+  uint16_t* ph = static_cast<uint16_t*>(p);
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = bits_of(x[i]);
-    const uint32_t lo = b & 0xFFFFu;
-    p[i] = uint16_t(((b >> 16) + (lo >> 15)) & 0xFFFFu);  // +1 ulp of magnitude: ties away
-    r[i] = uint16_t(lo);
+    float x;
+    if constexpr (REM) {
+      const uint32_t hi = (uint32_t(ph[i]) - (uint32_t(r[i]) >> 15)) & 0xFFFFu;
+      x = float_of((hi << 16) | r[i]);
+    } else {
+      x = pf[i];
+    }
+    float gi = load_grad<G>(g, i) * gs;
+    if constexpr (!W) gi = gi + wd * x;
+    const float mi = b1 * m[i] + omb1 * gi;
+    const float vi = b2 * v[i] + omb2 * (gi * gi);
+    float u = (mi * bc1) / (__builtin_sqrtf(vi * bc2) + eps);
+    if constexpr (W) u = u + wd * x;
+    x = x - lr * u;
+    m[i] = mi;
+    v[i] = vi;
+    uint16_t hi16 = 0;
+    if constexpr (REM) {
+      const uint32_t b = bits_of(x), lo = b & 0xFFFFu;
+      hi16 = uint16_t(((b >> 16) + (lo >> 15)) & 0xFFFFu);  // +1 ulp of magnitude: ties away
+      ph[i] = hi16;
+      r[i] = uint16_t(lo);
+    } else {
+      pf[i] = x;
+    }
+    store_out<O>(o, i, x, hi16, REM);
   }
 }
 
@@ -168,6 +170,45 @@ struct Row {
 };
 static_assert(sizeof(Row) == 9 * sizeof(int64_t), "Row is the wrapper's 9 int64 columns");
 
+// Elements [b, b + n) of row r; one function per dtype combination, each cloned per
+// instruction set (the loops are inlined into the clones and vectorized there).
+using Kernel = void (*)(const Row&, int64_t, int64_t, const Hyper&);
+
+#define ROW_PTR(T, f) (reinterpret_cast<T*>(r.f) + b)
+#define DEFINE_KERNEL(NAME, G, O, REM)                                                        \
+  MPZERO_CLONES void NAME(const Row& r, int64_t b, int64_t n, const Hyper& h) {               \
+    void* p = REM ? static_cast<void*>(ROW_PTR(uint16_t, p)) : ROW_PTR(float, p);             \
+    uint16_t* rem = REM ? ROW_PTR(uint16_t, rem) : nullptr;                                   \
+    const void* g = G == kF32 ? static_cast<const void*>(ROW_PTR(const float, g))             \
+                              : ROW_PTR(const uint16_t, g);                                   \
+    void* o = O == kNoOut ? nullptr                                                           \
+              : O == kF32 ? static_cast<void*>(ROW_PTR(float, out))                           \
+                          : ROW_PTR(uint16_t, out);                                           \
+    if (h.adam_w) update<G, O, REM, true>(p, rem, g, ROW_PTR(float, m), ROW_PTR(float, v), o, \
+                                          n, h);                                              \
+    else update<G, O, REM, false>(p, rem, g, ROW_PTR(float, m), ROW_PTR(float, v), o, n, h);  \
+  }
+#define DEFINE_OUTS(PREFIX, G, REM)              \
+  DEFINE_KERNEL(PREFIX##_f32, G, kF32, REM)      \
+  DEFINE_KERNEL(PREFIX##_bf16, G, kBF16, REM)    \
+  DEFINE_KERNEL(PREFIX##_f16, G, kF16, REM)      \
+  DEFINE_KERNEL(PREFIX##_none, G, kNoOut, REM)
+DEFINE_OUTS(plain_g32, kF32, false)
+DEFINE_OUTS(plain_gbf16, kBF16, false)
+DEFINE_OUTS(plain_gf16, kF16, false)
+DEFINE_OUTS(rem_g32, kF32, true)
+DEFINE_OUTS(rem_gbf16, kBF16, true)
+DEFINE_OUTS(rem_gf16, kF16, true)
+#undef DEFINE_OUTS
+#undef DEFINE_KERNEL
+#undef ROW_PTR
+
+#define OUTS(PREFIX) {PREFIX##_f32, PREFIX##_bf16, PREFIX##_f16, PREFIX##_none}
+// [remainders][gradient dtype][output dtype]
+const Kernel kKernels[2][3][4] = {{OUTS(plain_g32), OUTS(plain_gbf16), OUTS(plain_gf16)},
+                                  {OUTS(rem_g32), OUTS(rem_gbf16), OUTS(rem_gf16)}};
+#undef OUTS
+
 struct Item {
   int64_t row, begin, end;
 };
@@ -180,60 +221,9 @@ struct Job {
   bool remainders;
 };
 
-// The block's gradients as fp32: in place for fp32, else converted into buf.
-inline const float* grads_f32(const Row& r, int64_t b, int64_t n, float* buf) {
-  if (r.g_dtype == kF32) return reinterpret_cast<const float*>(r.g) + b;
-  const uint16_t* g = reinterpret_cast<const uint16_t*>(r.g) + b;
-  if (r.g_dtype == kBF16) bf16_to_f32(g, buf, n);
-  else f16_to_f32(g, buf, n);
-  return buf;
-}
-
-// The updated fp32 values x of the block into out (its own dtype; hi: their bf16 halves
-// when the remainders already made them).
-inline void write_out(const Row& r, int64_t b, int64_t n, const float* x, const uint16_t* hi) {
-  switch (r.out_dtype) {
-    case kF32: {
-      float* o = reinterpret_cast<float*>(r.out) + b;
-      if (o != x) std::memmove(o, x, n * sizeof(float));
-      break;
-    }
-    case kBF16: {
-      uint16_t* o = reinterpret_cast<uint16_t*>(r.out) + b;
-      if (hi != nullptr) {
-        if (o != hi) std::memmove(o, hi, n * sizeof(uint16_t));
-      } else {
-        f32_to_bf16(x, o, n);
-      }
-      break;
-    }
-    case kF16: f32_to_f16(x, reinterpret_cast<uint16_t*>(r.out) + b, n); break;
-    default: break;
-  }
-}
-
 void run_item(const Job& job, const Item& it) {
-  alignas(64) float gbuf[kBlock];
-  alignas(64) float xbuf[kBlock];
   const Row& r = job.rows[it.row];
-  float* m = reinterpret_cast<float*>(r.m);
-  float* v = reinterpret_cast<float*>(r.v);
-  for (int64_t b = it.begin; b < it.end; b += kBlock) {
-    const int64_t n = std::min(kBlock, it.end - b);
-    const float* g = grads_f32(r, b, n, gbuf);
-    if (!job.remainders) {
-      float* p = reinterpret_cast<float*>(r.p) + b;
-      adam_block(p, g, m + b, v + b, n, job.h);
-      write_out(r, b, n, p, nullptr);
-    } else {
-      uint16_t* p = reinterpret_cast<uint16_t*>(r.p) + b;
-      uint16_t* rem = reinterpret_cast<uint16_t*>(r.rem) + b;
-      merge_block(p, rem, xbuf, n);
-      adam_block(xbuf, g, m + b, v + b, n, job.h);
-      split_block(xbuf, p, rem, n);
-      write_out(r, b, n, xbuf, p);
-    }
-  }
+  kKernels[job.remainders][r.g_dtype][r.out_dtype](r, it.begin, it.end - it.begin, job.h);
 }
 
 void work(void* arg, int) {
