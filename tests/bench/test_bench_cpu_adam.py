@@ -20,7 +20,7 @@ def test_table_rows():
                            "--reps", "1", "--rounds", "1", "--threads", "2"],
                           capture_output=True, text=True, timeout=280, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    for row in ("copy floor", "torch copy_", "mpzero._cpu fp32", "torch AdamW fused",
-                "torch AdamW foreach", "DeepSpeed CPU Adam", "mpzero._cpu bf16 grad+out",
-                "mpzero._cpu remainders"):
+    for row in ("copy floor", "torch copy_", "in-place floor", "mpzero._cpu fp32",
+                "torch AdamW fused", "torch AdamW foreach", "DeepSpeed CPU Adam",
+                "mpzero._cpu bf16 grad+out", "mpzero._cpu remainders"):
         assert f"| {row} |" in proc.stdout, proc.stdout
