@@ -34,8 +34,8 @@ def report() -> str:
     cpu_built, cpu_where = cpu_extension_status()
     from mpzero.kernels import cpu_adam
 
-    cpu_kernel = (f"mpzero._cpu Adam, {cpu_adam.get_threads()} threads" if cpu_built
-                  else "torch fused Adam / PyTorch reference")
+    cpu_kernel = (f"mpzero._cpu, {cpu_adam.get_threads()} threads" if cpu_adam.available()
+                  else "torch fused Adam (fp32), PyTorch reference (other modes)")
     lines = [
         f"mpzero          {mpzero.__version__}",
         f"python          {platform.python_version()}",

@@ -325,3 +325,28 @@ def test_cpu_path_found_inf_not_one_and_scratch_reused():
              found_inf=torch.tensor(2.0), **HP)
     assert torch.equal(p[0], before)
     assert cpu._scratch(1000).data_ptr() == cpu._scratch(10).data_ptr()
+
+
+def test_cpu_dispatch_without_the_extension(monkeypatch):
+    """Where ``mpzero._cpu`` is not built, fp32 CPU lists go to torch's fused kernel and
+    remainders to the reference, as before the extension existed; info says so."""
+    from mpzero import info
+    from mpzero.kernels import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "_cpu", None)
+    f, b = torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    r = torch.zeros(8, dtype=torch.int16)
+    assert not cpu_adam.available()
+    assert kernels.adam_implementation(False, ([f], [f], [f], [f], None), True) is \
+        kernels._cpu_adam
+    assert kernels.adam_implementation(True, ([b], [r], [b], [f], [f], None), True) is \
+        reference.adam_remainders
+    p = _make([100], seed=36)
+    want = [p[0].clone()]
+    g = _make([100], seed=37)
+    kernels.adam(p, g, [torch.zeros(100)], [torch.zeros(100)], lr=1e-2, step=1,
+                 weight_decay=0.0, **HP)
+    reference.adam(want, g, [torch.zeros(100)], [torch.zeros(100)], lr=1e-2, step=1,
+                   weight_decay=0.0, **HP)
+    torch.testing.assert_close(p[0], want[0], rtol=1e-6, atol=1e-7)
+    assert "torch fused Adam" in info.report()
