@@ -214,6 +214,18 @@ def test_mismatched_sizes_raise():
                       threads=1, **_hyper(True, True, None))
 
 
+def test_wrong_tensors_raise():
+    """The kernel reads raw memory: the wrapper refuses what it cannot read as such."""
+    z = torch.zeros(8)
+    for bad in (torch.zeros(16)[::2], torch.zeros(8, dtype=torch.float64)):
+        with pytest.raises(TypeError, match="contiguous CPU tensors"):
+            cpu_adam.adam([bad], [z], [z.clone()], [z.clone()], threads=1,
+                          **_hyper(True, True, None))
+    with pytest.raises(TypeError, match="supported_remainders"):
+        cpu_adam.adam_remainders([z], [torch.zeros(8, dtype=torch.int16)], [z], [z], [z],
+                                 threads=1, **_hyper(True, True, None))
+
+
 def test_dispatch():
     """``kernels.adam`` takes the extension for fp32 state on CPU, contiguous; the rest
     goes elsewhere (non-contiguous, 16-bit state)."""

@@ -118,12 +118,18 @@ def supported_remainders(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs,
 
 def _table(name: str, lists) -> array:
     """Rows of 9 int64 (``csrc/cpu_adam.cpp``'s ``Row``): the addresses of p, remainder,
-    g, m, v and out (0: none), the element count, the dtype codes of g and out."""
+    g, m, v and out (0: none), the element count, the dtype codes of g and out. The
+    kernel reads raw memory: every tensor is checked here (a wrong one raises)."""
     p, rem, g, m, v, out = lists
     n = len(p)
     for lst in lists:
         if lst is not None and len(lst) != n:
             raise ValueError(f"{name}: tensor lists have different lengths")
+    ok = (supported_remainders(p, rem, g, m, v, out) if rem is not None
+          else supported(p, g, m, v, out))
+    if not ok:
+        raise TypeError(f"{name}: mpzero._cpu takes contiguous CPU tensors of the dtypes "
+                        f"its supported{'_remainders' if rem is not None else ''}() lists")
     rows = array("q")
     for i in range(n):
         k = p[i].numel()
