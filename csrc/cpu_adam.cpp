@@ -22,6 +22,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <pthread.h>
 #include <unistd.h>
 
@@ -170,23 +173,59 @@ struct Row {
 };
 static_assert(sizeof(Row) == 9 * sizeof(int64_t), "Row is the wrapper's 9 int64 columns");
 
+
+// dst[0, bytes) = src[0, bytes) with streaming stores where x86-64 has them (SSE2, the
+// baseline): the output is written only, so this spares reading its lines in first.
+MPZERO_INLINE void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__x86_64__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const int64_t head =
+      std::min<int64_t>(bytes, (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+  std::memcpy(d, s, head);
+  int64_t i = head;
+  for (; i + 16 <= bytes; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+template <int G, int O, bool REM>
+MPZERO_INLINE void run_range(const Row& r, int64_t b, int64_t n, const Hyper& h) {
+  constexpr int64_t ps = REM ? 2 : 4, gs = G == kF32 ? 4 : 2, os = O == kF32 ? 4 : 2;
+  char* p = reinterpret_cast<char*>(r.p) + b * ps;
+  uint16_t* rem = REM ? reinterpret_cast<uint16_t*>(r.rem) + b : nullptr;
+  const char* g = reinterpret_cast<const char*>(r.g) + b * gs;
+  float* m = reinterpret_cast<float*>(r.m) + b;
+  float* v = reinterpret_cast<float*>(r.v) + b;
+  if constexpr (O == kNoOut) {
+    if (h.adam_w) update<G, O, REM, true>(p, rem, g, m, v, nullptr, n, h);
+    else update<G, O, REM, false>(p, rem, g, m, v, nullptr, n, h);
+  } else {
+    constexpr int64_t kSub = 1024;
+    alignas(64) float buf[kSub];
+    char* o = reinterpret_cast<char*>(r.out) + b * os;
+    for (int64_t j = 0; j < n; j += kSub) {
+      const int64_t k = std::min(kSub, n - j);
+      uint16_t* rj = REM ? rem + j : nullptr;
+      if (h.adam_w) update<G, O, REM, true>(p + j * ps, rj, g + j * gs, m + j, v + j, buf, k, h);
+      else update<G, O, REM, false>(p + j * ps, rj, g + j * gs, m + j, v + j, buf, k, h);
+      stream_copy(o + j * os, buf, k * os);
+    }
+  }
+}
+
 // Elements [b, b + n) of row r; one function per dtype combination, each cloned per
 // instruction set (the loops are inlined into the clones and vectorized there).
 using Kernel = void (*)(const Row&, int64_t, int64_t, const Hyper&);
 
-#define ROW_PTR(T, f) (reinterpret_cast<T*>(r.f) + b)
-#define DEFINE_KERNEL(NAME, G, O, REM)                                                        \
-  MPZERO_CLONES void NAME(const Row& r, int64_t b, int64_t n, const Hyper& h) {               \
-    void* p = REM ? static_cast<void*>(ROW_PTR(uint16_t, p)) : ROW_PTR(float, p);             \
-    uint16_t* rem = REM ? ROW_PTR(uint16_t, rem) : nullptr;                                   \
-    const void* g = G == kF32 ? static_cast<const void*>(ROW_PTR(const float, g))             \
-                              : ROW_PTR(const uint16_t, g);                                   \
-    void* o = O == kNoOut ? nullptr                                                           \
-              : O == kF32 ? static_cast<void*>(ROW_PTR(float, out))                           \
-                          : ROW_PTR(uint16_t, out);                                           \
-    if (h.adam_w) update<G, O, REM, true>(p, rem, g, ROW_PTR(float, m), ROW_PTR(float, v), o, \
-                                          n, h);                                              \
-    else update<G, O, REM, false>(p, rem, g, ROW_PTR(float, m), ROW_PTR(float, v), o, n, h);  \
+#define DEFINE_KERNEL(NAME, G, O, REM)                                        \
+  MPZERO_CLONES void NAME(const Row& r, int64_t b, int64_t n, const Hyper& h) { \
+    run_range<G, O, REM>(r, b, n, h);                                         \
   }
 #define DEFINE_OUTS(PREFIX, G, REM)              \
   DEFINE_KERNEL(PREFIX##_f32, G, kF32, REM)      \
@@ -201,7 +240,6 @@ DEFINE_OUTS(rem_gbf16, kBF16, true)
 DEFINE_OUTS(rem_gf16, kF16, true)
 #undef DEFINE_OUTS
 #undef DEFINE_KERNEL
-#undef ROW_PTR
 
 #define OUTS(PREFIX) {PREFIX##_f32, PREFIX##_bf16, PREFIX##_f16, PREFIX##_none}
 // [remainders][gradient dtype][output dtype]
@@ -231,9 +269,12 @@ void work(void* arg, int) {
   const int64_t total = static_cast<int64_t>(job.items.size());
   for (;;) {
     const int64_t k = job.next.fetch_add(1, std::memory_order_relaxed);
-    if (k >= total) return;
+    if (k >= total) break;
     run_item(job, job.items[k]);
   }
+#if defined(__x86_64__)
+  _mm_sfence();  // the streaming stores are weakly ordered: complete before we report done
+#endif
 }
 
 // A fixed set of workers that sleep between runs; run(n, fn, arg) calls fn(arg, i) for i in
