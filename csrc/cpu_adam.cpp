@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-// x86-64 Linux: one copy of each block function per instruction set, picked once at load
+// x86-64 Linux: one copy of each kernel function per instruction set, picked once at load
 // time (ifunc), so a distributed build needs no -march and still gets AVX2/AVX-512.
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #define MPZERO_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
@@ -173,7 +173,6 @@ struct Row {
 };
 static_assert(sizeof(Row) == 9 * sizeof(int64_t), "Row is the wrapper's 9 int64 columns");
 
-
 // dst[0, bytes) = src[0, bytes) with streaming stores where x86-64 has them (SSE2, the
 // baseline): the output is written only, so this spares reading its lines in first.
 MPZERO_INLINE void stream_copy(void* dst, const void* src, int64_t bytes) {
@@ -207,7 +206,7 @@ MPZERO_INLINE void run_range(const Row& r, int64_t b, int64_t n, const Hyper& h)
     else update<G, O, REM, false>(p, rem, g, m, v, nullptr, n, h);
   } else {
     constexpr int64_t kSub = 1024;
-    alignas(64) float buf[kSub];
+    alignas(64) unsigned char buf[kSub * os];  // storage for the output's kSub values
     char* o = reinterpret_cast<char*>(r.out) + b * os;
     for (int64_t j = 0; j < n; j += kSub) {
       const int64_t k = std::min(kSub, n - j);
