@@ -14,6 +14,15 @@ def extension_status() -> tuple[bool, str]:
     return True, _C.__file__
 
 
+def cpu_extension_status() -> tuple[bool, str]:
+    """Whether ``mpzero._cpu`` (the CPU Adam) imports, and a short reason when it does not."""
+    try:
+        from mpzero import _cpu  # noqa: F401
+    except ImportError as e:
+        return False, str(e)
+    return True, _cpu.__file__
+
+
 def report() -> str:
     """A human-readable report: versions, extension, backends, devices."""
     import torch
@@ -22,12 +31,19 @@ def report() -> str:
     import mpzero
 
     built, where = extension_status()
+    cpu_built, cpu_where = cpu_extension_status()
+    from mpzero.kernels import cpu_adam
+
+    cpu_kernel = (f"mpzero._cpu, {cpu_adam.get_threads()} threads" if cpu_adam.available()
+                  else "torch fused Adam (fp32), PyTorch reference (other modes)")
     lines = [
         f"mpzero          {mpzero.__version__}",
         f"python          {platform.python_version()}",
         f"torch           {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})",
         f"mpzero._C       {'built: ' + where if built else 'not built (' + where + ')'}",
+        f"mpzero._cpu     {('built: ' if cpu_built else 'not built: ') + cpu_where}",
         f"kernels         {'CUDA extension for CUDA tensors' if built else 'PyTorch reference'}",
+        f"cpu adam        {cpu_kernel}",
         f"distributed     {'available' if dist.is_available() else 'not available'}",
     ]
     if dist.is_available():

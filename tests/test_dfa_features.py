@@ -190,10 +190,13 @@ def test_grad_scaler_skips_inf_on_every_rank(world):
 
 
 def _huge_finite_grads_are_not_inf():
-    """Gradients whose squared norm overflows fp32 (|g| = 1e20) but are all finite: the
-    scaler must not skip the step (torch's GradScaler checks elements, not the norm)."""
+    """Gradients whose squared norm overflows fp32 (two of 1.5e19: 4.5e38) but are all
+    finite: the scaler must not skip the step (torch's GradScaler checks elements, not the
+    norm). Each square stays finite (2.25e38): at |g| > 1.8e19 the kernels' ``g * g``
+    overflows (the spec's order, ``(1 - beta2) * (g * g)``) where torch's ``addcmul``
+    scales first, and the two would then differ by design, not by the scaler."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    weights = torch.tensor([1e20, 1.0, -2.0, 3.0])
+    weights = torch.tensor([1.5e19, 1.5e19, -2.0, 3.0])
     out = []
     for kind in ("dfa", "torch"):
         p = torch.nn.Parameter(torch.ones(4))

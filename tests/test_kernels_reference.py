@@ -290,7 +290,8 @@ def test_reference_is_what_dispatch_uses_on_cpu():
 @pytest.mark.parametrize("scale", [None, 1.0, 0.37])
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_cpu_path_chunks_equal_one_torch_call(monkeypatch, chunk, scale, adam_w_mode):
-    """The CPU path (chunked with a grad scale) gives bitwise what one call of torch's
+    """The torch-fused CPU path (``mpzero.kernels.cpu``, used where ``mpzero._cpu`` is
+    not built; chunked with a grad scale) gives bitwise what one call of torch's
     fused kernel over whole tensors gives, leaves the gradients unchanged and fills
     params_out; chunks split tensors and pack several into one call."""
     monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", chunk)
@@ -302,8 +303,8 @@ def test_cpu_path_chunks_equal_one_torch_call(monkeypatch, chunk, scale, adam_w_
     g_before = [t.clone() for t in g]
     out = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in sizes]
     grad_scale = None if scale is None else torch.tensor(scale)
-    kernels.adam(p, g, m, v, out, lr=1e-2, weight_decay=0.1, step=3, adam_w_mode=adam_w_mode,
-                 grad_scale=grad_scale, found_inf=torch.tensor(0.0), **HP)
+    cpu.adam(p, g, m, v, out, lr=1e-2, weight_decay=0.1, step=3, adam_w_mode=adam_w_mode,
+             grad_scale=grad_scale, found_inf=torch.tensor(0.0), **HP)
     inv = None if scale in (None, 1.0) else grad_scale.reciprocal()
     fn = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
     fn(want_p, [t.clone() for t in g], want_m, want_v, [], [torch.tensor(3.0)] * len(sizes),
@@ -319,7 +320,33 @@ def test_cpu_path_found_inf_not_one_and_scratch_reused():
     grad-scale scratch buffer is kept between calls (no fresh allocation per step)."""
     p = _make([100], seed=34)
     before = p[0].clone()
-    kernels.adam(p, _make([100], seed=35), [torch.zeros(100)], [torch.zeros(100)], lr=1e-2,
-                 step=1, weight_decay=0.0, found_inf=torch.tensor(2.0), **HP)
+    cpu.adam(p, _make([100], seed=35), [torch.zeros(100)], [torch.zeros(100)], None, lr=1e-2,
+             step=1, weight_decay=0.0, adam_w_mode=True, grad_scale=None,
+             found_inf=torch.tensor(2.0), **HP)
     assert torch.equal(p[0], before)
     assert cpu._scratch(1000).data_ptr() == cpu._scratch(10).data_ptr()
+
+
+def test_cpu_dispatch_without_the_extension(monkeypatch):
+    """Where ``mpzero._cpu`` is not built, fp32 CPU lists go to torch's fused kernel and
+    remainders to the reference, as before the extension existed; info says so."""
+    from mpzero import info
+    from mpzero.kernels import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "_cpu", None)
+    f, b = torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    r = torch.zeros(8, dtype=torch.int16)
+    assert not cpu_adam.available()
+    assert kernels.adam_implementation(False, ([f], [f], [f], [f], None), True) is \
+        kernels._cpu_adam
+    assert kernels.adam_implementation(True, ([b], [r], [b], [f], [f], None), True) is \
+        reference.adam_remainders
+    p = _make([100], seed=36)
+    want = [p[0].clone()]
+    g = _make([100], seed=37)
+    kernels.adam(p, g, [torch.zeros(100)], [torch.zeros(100)], lr=1e-2, step=1,
+                 weight_decay=0.0, **HP)
+    reference.adam(want, g, [torch.zeros(100)], [torch.zeros(100)], lr=1e-2, step=1,
+                   weight_decay=0.0, **HP)
+    torch.testing.assert_close(p[0], want[0], rtol=1e-6, atol=1e-7)
+    assert "torch fused Adam" in info.report()

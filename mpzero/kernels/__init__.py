@@ -3,7 +3,11 @@
 Each function uses ``mpzero._C`` (``csrc/``) when the extension imports and all
 tensors are CUDA tensors of the dtypes it handles (fp32/fp16/bf16 state), and
 the pure-PyTorch :mod:`mpzero.kernels.reference` otherwise. The reference is
-the specification: the GPU tests check the kernels against it.
+the specification: the GPU tests check the kernels against it. On CPU tensors,
+:func:`adam` and :func:`adam_remainders` use ``mpzero._cpu``
+(:mod:`mpzero.kernels.cpu_adam`, multi-threaded, bit for bit the reference) where
+it is built and takes the lists, else torch's fused CPU Adam
+(:mod:`mpzero.kernels.cpu`) or the reference.
 
 Math of :func:`adam`, per element in fp32 registers whatever the storage dtypes::
 
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpzero.kernels import cpu, reference
+from mpzero.kernels import cpu, cpu_adam, reference
 
 try:  # the CUDA extension is optional
     from mpzero.kernels import cuda as _cuda
@@ -164,10 +168,14 @@ def adam_implementation(remainders: bool, lists: Sequence[Sequence[torch.Tensor]
     callers that make the same call every step, checked once. Called with the same
     arguments (``lists`` positional, the rest by keyword)."""
     if remainders:
+        if cpu_adam.supported_remainders(*lists):
+            return cpu_adam.adam_remainders
         if _on_cuda(*lists) and _cuda.adam_remainders_supported(*lists):
             return _cuda.adam_remainders
         return reference.adam_remainders
     params, grads, exp_avgs, exp_avg_sqs, params_out = lists
+    if cpu_adam.supported(*lists):
+        return cpu_adam.adam
     if cpu.supported(params, grads, exp_avgs, exp_avg_sqs, bias_correction=bias_correction):
         return _cpu_adam
     if _on_cuda(*lists) and _cuda.adam_supported(*lists):
