@@ -102,6 +102,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         capturable: bool = False,
         module: torch.nn.Module | None = None,
         model_parallel_group: dist.ProcessGroup | None = None,
+        cpu_offload: bool = False,
+        cpu_offload_threads: int | None = None,
     ):
         arguments = dict(locals())
         if isinstance(params, torch.Tensor):
