@@ -124,7 +124,7 @@ def boundary_for(device: torch.device) -> Boundary:
     return CudaBoundary(device) if device.type == "cuda" else SyncBoundary()
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (they hold tensors)
 class Transfer:
     """One copy in flight: both tensors stay referenced until it was waited on."""
 
@@ -135,7 +135,7 @@ class Transfer:
     done: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (they hold tensors)
 class _Slot:
     buffer: torch.Tensor | None = None  # uint8 host memory, grown as needed
     transfer: Transfer | None = None  # the last copy through it
@@ -200,8 +200,9 @@ class HostStaging:
         """Start copying the staging buffer ``host`` into device ``dst``. The buffer is
         handed out again only after the copy; the device reads ``dst`` only after
         :meth:`on_device` (or :meth:`all_on_device`)."""
+        slot = self._slot_of(host)
         t = Transfer(host, dst, self.boundary.to_device(dst.view(-1), host), False)
-        self._slot_of(host).transfer = t
+        slot.transfer = t
         self.to_devices.append(t)
         return t
 
