@@ -49,12 +49,14 @@ MODES = {
                    param_sync_dtype=torch.bfloat16),
     "no_master": dict(store_params=False),
     "grad_bf16": dict(grad_sync_dtype=torch.bfloat16),
+    "contiguous": dict(contiguous_param_buffer=True, contiguous_grad_buffer=True),
+    "byte_sync": dict(param_sync_dtype=torch.int32),  # fp32 values gathered as raw bytes
 }
 
 
 def _tolerance(mode: str, absmax: float) -> tuple[float, float]:
     """(rtol, atol) against AdamW, from the storage precision (module docstring)."""
-    if mode in ("fp32", "no_master"):
+    if mode in ("fp32", "no_master", "contiguous", "byte_sync"):
         return RTOL, ATOL
     if mode == "remainders":
         return 2 * BF16_HALF_ULP, STEPS * LR
@@ -157,7 +159,7 @@ def test_offload_matches_adamw(world, size, grid, mode):
     assert all(world(size, _compare, grid, mode))
 
 
-@pytest.mark.parametrize("mode", ["no_master", "grad_bf16"])
+@pytest.mark.parametrize("mode", ["no_master", "grad_bf16", "contiguous", "byte_sync"])
 def test_offload_other_modes(world, mode):
     assert all(world(2, _compare, "flat", mode))
 

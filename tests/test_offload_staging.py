@@ -129,3 +129,21 @@ def test_cpu_threads_are_scoped():
         raise RuntimeError("the step failed")
     assert torch.get_num_threads() == before
     assert physical_cores_of_share() >= 1
+
+
+def test_default_threads_are_the_rank_share_of_physical_cores(monkeypatch):
+    from mpzero.optimizers import offload
+
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(16)),
+                        raising=False)
+    monkeypatch.setattr(offload.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(offload, "_smt_siblings", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert offload.physical_cores_of_share() == 2  # 16 CPUs / 4 ranks / 2 per core
+    # A launcher bound this rank to 4 CPUs: that is its share already.
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(4)),
+                        raising=False)
+    assert offload.physical_cores_of_share() == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(offload, "_smt_siblings", lambda: 1)
+    assert offload.physical_cores_of_share() == 4

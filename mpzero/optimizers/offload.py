@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -145,7 +145,6 @@ class _Slot:
 class _Ring:
     slots: list[_Slot]
     next: int = 0
-    in_use: list = field(default_factory=list)
 
 
 class HostStaging:
@@ -158,6 +157,9 @@ class HostStaging:
         self.depth = depth
         self.rings: dict[str, _Ring] = {}
         self.to_devices: list[Transfer] = []  # host->device copies the device has not waited on
+        # id(view) -> (view, its slot) for the views handed out this step (the view is
+        # held so that its id stays its own).
+        self.handed: dict[int, tuple[torch.Tensor, _Slot]] = {}
 
     def host_buffer(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The next host staging buffer of ``kind`` as ``numel`` elements of ``dtype``,
@@ -179,15 +181,14 @@ class HostStaging:
         else:
             self.boundary.release(slot.buffer)
         view = slot.buffer[:nbytes].view(dtype)
-        ring.in_use.append((view, slot))
+        self.handed[id(view)] = (view, slot)
         return view
 
     def _slot_of(self, host: torch.Tensor) -> _Slot:
-        for ring in self.rings.values():
-            for view, slot in ring.in_use:
-                if view is host:
-                    return slot
-        raise ValueError("not a host staging buffer handed out by host_buffer()")
+        got = self.handed.get(id(host))
+        if got is None or got[0] is not host:
+            raise ValueError("not a host staging buffer handed out by host_buffer()")
+        return got[1]
 
     def to_host(self, kind: str, src: torch.Tensor) -> Transfer:
         """Start copying device ``src`` into a fresh staging buffer of ``kind``."""
@@ -231,8 +232,7 @@ class HostStaging:
         """End of a step: the device waits for every copy; the slots' bookkeeping is
         dropped (their last copies are still waited on before reuse)."""
         self.all_on_device()
-        for ring in self.rings.values():
-            ring.in_use.clear()
+        self.handed.clear()
 
 
 # ------------------------------------------------------------------ CPU threads
