@@ -20,6 +20,9 @@ happens before anything is staged).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 
 from mpzero import kernels
@@ -31,6 +34,13 @@ from mpzero.optimizers.step import Stepper
 GRAD, PARAM, OUT, VALUE = "grad", "param", "out", "value"  # kinds of staging buffer
 
 
+def kernels_take_threads() -> bool:
+    """The CPU Adam of ``mpzero.kernels`` takes a ``threads`` argument: the step passes its
+    thread count there instead of setting torch's for its duration."""
+    return all("threads" in inspect.signature(f).parameters
+               for f in (kernels.adam, kernels.adam_remainders))
+
+
 class OffloadStepper(Stepper):
     """:class:`~mpzero.optimizers.step.Stepper` whose local step runs on the CPU over
     the host state of the :class:`~mpzero.optimizers.shards.ShardStore`, with the
@@ -40,6 +50,7 @@ class OffloadStepper(Stepper):
         super().__init__(*args, **kwargs)
         self.staging = staging
         self.threads = threads
+        self.threads_argument = kernels_take_threads()
 
     def _params_dtype(self, b: int) -> torch.dtype | None:
         """The dtype bucket ``b``'s parameter shard travels to the host in, or None where
@@ -64,6 +75,8 @@ class OffloadStepper(Stepper):
         lr = kw["lr"]
         kw["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
         kw["grad_scale"] = grad_scale if kw["grad_scale"] is not None else None
+        if self.threads_argument:
+            kw["threads"] = self.threads
         return kw
 
     def run(self, found_inf: torch.Tensor | None, deferred: bool) -> None:
@@ -78,7 +91,8 @@ class OffloadStepper(Stepper):
         scale = self.state.grad_scale.cpu() if self.state.grad_scaled else None
         hyper = [self._host_hyper(gi, scale) for gi in range(len(self.state.param_groups))]
         staging = self.staging
-        with cpu_threads(self.threads):
+        with (contextlib.nullcontext() if self.threads_argument
+              else cpu_threads(self.threads)):
             incoming = {order[0]: self._stage_in(order[0])}
             for i, b in enumerate(order):
                 if i + 1 < len(order):

@@ -172,7 +172,8 @@ class Options:
     synchronous copies (no memory saved; for testing)."""
     cpu_offload_threads: int | None = None
     """Threads of the CPU step with ``cpu_offload`` (``None``: the physical cores of this
-    rank's share of the host); set for the step only, restored after."""
+    rank's share of the host): the kernels' ``threads`` argument where they take one,
+    else torch's thread count, set for the step only and restored after."""
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> Options:
