@@ -26,7 +26,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
                     param_sync_dtype: torch.dtype | None = None,
                     store_param_remainders: bool = False,
                     compiled_units: Sequence[torch.nn.Module] = (),
-                    gradient_accumulation_fusion: bool = False):
+                    gradient_accumulation_fusion: bool = False, cpu_offload: bool = False):
     """The optimizer over ``model.param_groups(weight_decay)`` wired to parallel_state.
 
     ``grad_sync_dtype``/``param_sync_dtype`` None: fp32 gradients, and parameters
@@ -41,7 +41,8 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
     contiguous buffer and gives the parameters their ``main_grad`` views of it, into
     which the model's TP linear layers (built with the same option) add their weight
     gradients; call :func:`prepare_grad_accumulation_fusion` once every parameter is
-    laid out (after ``pipeline.tie_embedding``)."""
+    laid out (after ``pipeline.tie_embedding``). ``cpu_offload``: the optimizer state in
+    host memory, the update on the CPU."""
     groups = model.param_groups(weight_decay)
     mp_group = parallel_state.get_model_parallel_group()
     from mpzero.optimizers import DistributedFusedAdam
@@ -56,7 +57,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
         store_params=not store_param_remainders, store_param_remainders=store_param_remainders,
         overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
         bucket_cap_mb=bucket_cap_mb, model_parallel_group=mp_group,
-        contiguous_grad_buffer=gradient_accumulation_fusion,
+        contiguous_grad_buffer=gradient_accumulation_fusion, cpu_offload=cpu_offload,
         **parallel_state.get_optimizer_process_groups(),
     )
     if overlap_param_sync:

@@ -158,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--store-param-remainders", action="store_true",
                    help="with --bf16 and dfa: keep the fp32 masters as the bf16 parameter "
                         "plus an int16 remainder (2 bytes per parameter instead of 4)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="optimizer state in host memory and the Adam update on the CPU "
+                        "(DistributedFusedAdam's cpu_offload)")
     g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads per CPU rank")
     g.add_argument("--dist-timeout", type=float, default=600.0,
@@ -448,7 +451,8 @@ def build(args: argparse.Namespace, device: torch.device) -> Run:
         bucket_cap_mb=args.bucket_cap_mb, grad_sync_dtype=dtypes[args.grad_sync_dtype],
         param_sync_dtype=dtypes[args.param_sync_dtype],
         store_param_remainders=args.store_param_remainders, compiled_units=compiled,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        cpu_offload=args.optimizer_cpu_offload)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline
     if args.gradient_accumulation_fusion:
         optim.prepare_grad_accumulation_fusion(optimizer)

@@ -50,7 +50,8 @@ def _load_targets(opt, b: int) -> dict[str, torch.Tensor]:
     :func:`_commit_targets` hands to the optimizer (it may be stored as remainders)."""
     lay = opt.shards.layouts[b]
     exp_avg, exp_avg_sq = opt.shards.moments(b)
-    return {"param": torch.zeros(lay.shard_size, dtype=torch.float32, device=opt.options.device),
+    return {"param": torch.zeros(lay.shard_size, dtype=torch.float32,
+                                 device=opt.shards.state_device),
             "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -12,8 +12,8 @@ Flow of one training step::
              -> parameter pipeline (param_sync.ParamSync): all-gather the updated shards
                 into the parameters, now or in the next forward (hooks.ModuleHooks)
 
-Options are one frozen dataclass (options.py); which element lives where is the pure
-function of layout.py; checkpoints are checkpoint.py (+ state_checks.py).
+Options: one frozen dataclass (options.py); layout: layout.py; checkpoints: checkpoint.py;
+state offload (``cpu_offload``): offload.py and offload_step.py.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         capturable: bool = False,
         module: torch.nn.Module | None = None,
         model_parallel_group: dist.ProcessGroup | None = None,
+        cpu_offload: bool = False, cpu_offload_threads: int | None = None,
     ):
         arguments = dict(locals())
         if isinstance(params, torch.Tensor):

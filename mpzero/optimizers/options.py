@@ -102,11 +102,26 @@ def check_options(o: dict) -> None:
         raise OptionError("capturable=True cannot be combined with store_param_remainders=True")
     if o["capturable"] and o["with_scaled_states"]:
         raise OptionError("capturable=True cannot be combined with with_scaled_states=True")
+    check_offload_options(o)
     if o["nccl_ub"]:
         if not o["contiguous_grad_buffer"]:
             raise OptionError("nccl_ub=True requires contiguous_grad_buffer=True")
         if device is not None and torch.device(device).type != "cuda":
             raise OptionError(f"nccl_ub=True requires a CUDA device, got device={device!r}")
+
+
+def check_offload_options(o: dict) -> None:
+    """The ``cpu_offload`` combinations that cannot work."""
+    threads = o.get("cpu_offload_threads")
+    if threads is not None:
+        if not o.get("cpu_offload"):
+            raise OptionError("cpu_offload_threads is given but cpu_offload=False")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise OptionError(f"cpu_offload_threads={threads!r} must be a positive integer")
+    if o.get("cpu_offload") and o["capturable"]:
+        # The CPU step reads the learning rate, the step and found-inf on the host: a
+        # captured graph could not replay it.
+        raise OptionError("capturable=True cannot be combined with cpu_offload=True")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +164,16 @@ class Options:
     """Gradient and shard buffers from the NCCL-registered memory pool."""
     capturable: bool = False
     """lr and step on the device, no host sync in ``step()`` (CUDA graphs)."""
+    cpu_offload: bool = False
+    """Optimizer state in host memory and the Adam update on the CPU (``offload.py``): each
+    bucket's reduced gradient shard is staged device->host, stepped on the CPU and its
+    updated values staged host->device before the usual gather, pipelined per bucket.
+    On a CPU device the state is in host memory anyway: the same staged path runs with
+    synchronous copies (no memory saved; for testing)."""
+    cpu_offload_threads: int | None = None
+    """Threads of the CPU step with ``cpu_offload`` (``None``: the physical cores of this
+    rank's share of the host): the kernels' ``threads`` argument where they take one,
+    else torch's thread count, set for the step only and restored after."""
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> Options:

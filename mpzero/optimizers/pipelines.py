@@ -12,6 +12,8 @@ from mpzero.comm import CommContext
 from mpzero.optimizers.grad_bucket import GradStorage
 from mpzero.optimizers.grad_sync import GradSync
 from mpzero.optimizers.norm import GradNorm
+from mpzero.optimizers.offload import HostStaging, boundary_for, physical_cores_of_share
+from mpzero.optimizers.offload_step import OffloadStepper
 from mpzero.optimizers.param_sync import ParamSync
 from mpzero.optimizers.shards import GRADS, PARAMS, ShardStore
 from mpzero.optimizers.step import Stepper
@@ -48,5 +50,10 @@ def build_pipelines(store: ShardStore, state: StepState, ctx: CommContext,
     gathers = ParamSync(store.layouts, [lay.key.param for lay in store.layouts], o.device,
                         ctx, g.distributed, g.distributed_rank, store.params,
                         persistent=store.bucket_buffers(PARAMS))
-    return Pipelines(grads, gathers, GradNorm(store, grads, g, state, sync),
-                     Stepper(o, store, grads, gathers, state))
+    if o.cpu_offload:
+        stepper = OffloadStepper(o, store, grads, gathers, state,
+                                 staging=HostStaging(boundary_for(o.device)),
+                                 threads=o.cpu_offload_threads or physical_cores_of_share())
+    else:
+        stepper = Stepper(o, store, grads, gathers, state)
+    return Pipelines(grads, gathers, GradNorm(store, grads, g, state, sync), stepper)

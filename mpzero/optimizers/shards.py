@@ -57,6 +57,10 @@ class ShardStore:
     def __init__(self, options: Options, groups: Groups, ctx: comm.CommContext):
         self.options, self.groups, self.comm = options, groups, ctx
         self.device = options.device
+        # Where the shard state lives: host memory with cpu_offload (offload_step.py).
+        # Pageable, not pinned: only the CPU reads it; the copies across the boundary go
+        # through offload.HostStaging's pinned buffers.
+        self.state_device = torch.device("cpu") if options.cpu_offload else self.device
         self.params: list[torch.Tensor] = []
         self.group_of: list[int] = []  # param group of each parameter
         self.index: dict[int, int] = {}  # id(param) -> its index
@@ -182,7 +186,8 @@ class ShardStore:
         tp_rank = self.groups.tensor_parallel_rank
         dtype = lay.key.state
         pieces = lay.shard_pieces(rank)
-        master = self.params_shard(lay.index, torch.float32 if o.with_scaled_states else dtype)
+        master = self.params_shard(lay.index, torch.float32 if o.with_scaled_states else dtype
+                                   ).to(self.state_device)
         # Remainders only where the bucket syncs bf16 params from an fp32 state; other
         # buckets (e.g. an fp32 param in its own bucket) keep a master unless the
         # parameter itself holds the state dtype.
@@ -193,12 +198,13 @@ class ShardStore:
         scaled = None
         if o.with_scaled_states:
             scaled = ScaledStates([(p.shard_start, p.shard_end) for p in pieces],
-                                  lay.shard_size, dtype, self.device)
+                                  lay.shard_size, dtype, self.state_device)
             scaled.store("param", master)
         plain = not o.with_scaled_states
 
         def zeros():
-            return torch.zeros(lay.shard_size, dtype=dtype, device=self.device) if plain else None
+            return (torch.zeros(lay.shard_size, dtype=dtype, device=self.state_device)
+                    if plain else None)
 
         return ShardState(
             master=master if store_master and plain else None,
@@ -286,7 +292,7 @@ class ShardStore:
         if st.scaled is not None:
             return st.scaled.unscaled("param")
         if st.remainder is not None:
-            hi = split_remainder(self.params_shard(b, torch.float32))[0]
+            hi = split_remainder(self.params_shard(b, torch.float32).to(self.state_device))[0]
             return merge_remainder(hi, st.remainder)
         return self.params_shard(b, self.layouts[b].key.state)
 
@@ -301,8 +307,8 @@ class ShardStore:
         """Set bucket ``b``'s moments (the tensors :meth:`moments` gave, or others)."""
         st = self.shards[b]
         if st.scaled is not None:
-            st.scaled.store("exp_avg", exp_avg)
-            st.scaled.store("exp_avg_sq", exp_avg_sq)
+            st.scaled.store("exp_avg", exp_avg.to(self.state_device))
+            st.scaled.store("exp_avg_sq", exp_avg_sq.to(self.state_device))
         elif exp_avg is not st.exp_avg:
             st.exp_avg.copy_(exp_avg)
             st.exp_avg_sq.copy_(exp_avg_sq)
@@ -313,6 +319,7 @@ class ShardStore:
         remainders the bf16 high halves go to the parameters through a gather:
         ``stale_params(b)`` gives the shard buffer that gather sends."""
         st = self.shards[b]
+        values = values.to(self.state_device)
         if st.master is not None:
             st.master.copy_(values)
         elif st.scaled is not None:
@@ -325,7 +332,9 @@ class ShardStore:
             stale_params(b).copy_(hi)
 
     def gather(self, shard: torch.Tensor, size: int) -> torch.Tensor:
-        """A bucket's full ``size`` elements from every distributed rank's ``shard``."""
+        """A bucket's full ``size`` elements from every distributed rank's ``shard``
+        (gathered on the device: offloaded state is on the host)."""
+        shard = shard.to(self.device)
         full = torch.empty(size, dtype=shard.dtype, device=shard.device)
         self.comm.all_gather(shard, full, self.groups.distributed).wait()
         return full
