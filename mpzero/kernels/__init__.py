@@ -85,6 +85,7 @@ def adam(
     bias_correction: bool = True,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> None:
     """Fused Adam/AdamW step, in place on ``params``, ``exp_avgs`` and ``exp_avg_sqs``.
 
@@ -92,7 +93,8 @@ def adam(
     have the params' dtype; ``grads`` (fp32/fp16/bf16) are read only; ``params_out``
     (optional) receives the updated fp32 value cast to its own dtype. All lists have
     the same length and pairwise equal element counts; ``step`` is the step number
-    t >= 1 after the increment. See the module docstring for the math.
+    t >= 1 after the increment. See the module docstring for the math. ``threads``: how
+    many threads the CPU kernel uses for this call (others ignore it).
     """
     kw = dict(
         lr=lr,
@@ -109,7 +111,10 @@ def adam(
     if len(params) == 0:
         return
     lists = (params, grads, exp_avgs, exp_avg_sqs, params_out)
-    adam_implementation(False, lists, bias_correction)(*lists, **kw)
+    impl = adam_implementation(False, lists, bias_correction)
+    if threads is not None and impl in _THREADED:
+        kw["threads"] = threads  # the CPU kernel's own pool (ranks run torch on one thread)
+    impl(*lists, **kw)
 
 
 def adam_remainders(
@@ -130,6 +135,7 @@ def adam_remainders(
     bias_correction: bool = True,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> None:
     """Adam on fp32 masters kept as bf16 ``params_bf16`` + int16 ``remainders``.
 
@@ -153,7 +159,13 @@ def adam_remainders(
     if len(params_bf16) == 0:
         return
     lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out)
-    adam_implementation(True, lists, bias_correction)(*lists, **kw)
+    impl = adam_implementation(True, lists, bias_correction)
+    if threads is not None and impl in _THREADED:
+        kw["threads"] = threads  # the CPU kernel's own pool (ranks run torch on one thread)
+    impl(*lists, **kw)
+
+
+_THREADED = (cpu_adam.adam, cpu_adam.adam_remainders)
 
 
 def _cpu_adam(*lists, bias_correction, **kw):
