@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mpzero import kernels
 from mpzero.optimizers import DistributedFusedAdam
 
 
@@ -172,12 +173,11 @@ def setups(args):
          dfa(grad_sync_dtype=torch.float32, param_sync_dtype=torch.float32), False),
     ]
     if cuda:
-        rows += [
-            ("mpzero capturable", bf16, dfa(capturable=True, **sync), False),
-            ("mpzero capturable, CUDA graph", bf16,
-             dfa(capturable=True, contiguous_grad_buffer=True, overlap_grad_sync=False, **sync),
-             True),
-        ]
+        rows.append(("mpzero capturable", bf16, dfa(capturable=True, **sync), False))
+    if cuda and kernels.extension_available():  # the reference kernels cannot be captured
+        rows.append(("mpzero capturable, CUDA graph", bf16,
+                     dfa(capturable=True, contiguous_grad_buffer=True, overlap_grad_sync=False,
+                         **sync), True))
     only = set(args.only.split(",")) if args.only else None
     return [r for i, r in enumerate(rows) if only is None or str(i) in only]
 
@@ -214,7 +214,8 @@ def main() -> None:
     args = ap.parse_args()
     init_world(args, 29533)
     print(f"torch {torch.__version__}, {args.device}, {args.layers} x Linear({args.hidden}, "
-          f"{args.hidden}), median of {args.reps} steps")
+          f"{args.hidden}), median of {args.reps} steps, kernels: "
+          f"{'mpzero._C' if kernels.extension_available() else 'reference (no mpzero._C)'}")
     results = []
     for s in setups(args):
         results.append(run_setup(args, *s))
