@@ -210,6 +210,46 @@ def check_vocabulary(tokens: np.ndarray, vocab_size: int, what: str) -> None:
                          f"vocabulary of {vocab_size} (wrong --tokenizer-file or data?)")
 
 
+def _prepared_dir(d, rank: int) -> Path:
+    """The data directory, prepared (by global rank 0) from the default corpus if needed;
+    every rank waits for it."""
+    import torch.distributed as dist
+
+    cfg = CorpusConfig(vocab_size=d.vocab_size, max_mb=d.data_max_mb)
+    data_dir = Path(d.data_dir) if d.data_dir else default_data_dir(cfg)
+    ready = is_prepared(data_dir) if d.data_dir else is_prepared(data_dir, cfg)
+    if not ready and rank == 0:
+        prepare(cfg, data_dir)
+    dist.barrier()
+    return data_dir
+
+
+def load_splits(d, rank: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Train and validation token streams and the vocabulary size of a run's data
+    section (``config.DataConfig``).
+
+    ``--data-path``: a Megatron indexed dataset split by ``--split``; else the
+    prepared memmap directory. ``--tokenizer-file`` sets the vocabulary; token ids
+    that do not fit it (or, without one, the prepared vocabulary) are an error.
+    """
+    if d.data_path:
+        train, val = load_indexed_splits(d.data_path, d.split)
+        vocab = None
+    else:
+        data_dir = _prepared_dir(d, rank)
+        train, val = load_tokens(data_dir, "train"), load_tokens(data_dir, "val")
+        vocab = read_meta(data_dir)["vocab_size"]
+    if d.tokenizer_file:
+        vocab = tokenizer_from_file(d.tokenizer_file).vocab_size
+    if vocab is not None:
+        for name, tokens in (("training", train), ("validation", val)):
+            check_vocabulary(tokens, vocab, f"{name} data of "
+                             f"{d.data_path or d.data_dir or 'the default corpus'}")
+    else:  # an indexed dataset without a tokenizer: the ids it holds
+        vocab = int(max(np.max(train), np.max(val))) + 1
+    return train, val, vocab
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -47,11 +47,12 @@ TENSORBOARD_TAGS = {
 }
 
 
-def peak_tflops(args, device: torch.device) -> float | None:
-    """``--peak-tflops``, or the bf16 peak of a known GPU; None when unknown (no MFU)."""
-    if args.peak_tflops is not None:
-        return args.peak_tflops
-    if device.type != "cuda" or not (args.bf16 or getattr(args, "autocast_bf16", False)):
+def peak_tflops(given: float | None, bf16: bool, device: torch.device) -> float | None:
+    """``--peak-tflops`` (``given``), or the bf16 peak of a known GPU when computing in
+    bf16; None when unknown (no MFU)."""
+    if given is not None:
+        return given
+    if device.type != "cuda" or not bf16:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)

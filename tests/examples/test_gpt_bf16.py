@@ -15,7 +15,6 @@ on a 2-rank gloo world (DP=2, two micro-batches per rank and step, clipping on):
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 from bench import dp_adamw
-from examples.gpt import checkpointing, compiling, optim, precision, train
+from examples.gpt import checkpointing, compiling, config, optim, precision, train
 from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 
 CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-ARGS = SimpleNamespace(pipeline_model_parallel_size=1, micro_batch_size=2, seq_length=16,
-                       clip_grad=1.0)
+ARGS = config.Config().updated(micro_batch_size=2, seq_length=16, clip_grad=1.0)
 GLOBAL_BATCH, ITERS = 8, 8  # 8 sequences = DP 2 x micro 2 x 2 micro-batches
 # Same algorithm, different summation orders (norm, Adam kernels): the fp32 masters
 # agree to ~1e-7, and a rare one rounds to the neighbouring bf16 value. Measured

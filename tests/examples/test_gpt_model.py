@@ -236,10 +236,13 @@ def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp, extra):
 def test_gradient_accumulation_fusion_flag():
     """``--gradient-accumulation-fusion``: on by default with DistributedFusedAdam and
     several micro-batches (no autocast), as given otherwise."""
-    from examples.gpt import arg_checks, train
+    from examples.gpt import config
 
     def resolved(flags, grad_acc):
-        return arg_checks.grad_accumulation_fusion(train.parse_args(flags), grad_acc)
+        cfg = config.parse_args(["--micro-batch-size", "1", "--global-batch-size",
+                                 str(grad_acc), *flags])
+        return cfg.resolve(cpu=True, dp_size=1, vocab_size=64).optimizer \
+            .gradient_accumulation_fusion
 
     assert resolved([], 4) and not resolved([], 1)
     assert not resolved(["--autocast-bf16"], 4)
@@ -355,11 +358,11 @@ def test_gelu_gemm_fusion_needs_tanh_gelu():
 def test_gelu_gemm_fusion_flag(monkeypatch):
     """``--gelu-gemm-fusion``: as given, or (default) on with --openai-gelu --bf16 on a GPU
     with the extension's GEMMs; without --openai-gelu (or with --swiglu) it is refused."""
-    from examples.gpt import arg_checks, train
+    from examples.gpt import config
     from mpzero import kernels
 
     def resolved(flags):
-        return arg_checks.gelu_gemm_fusion(train.parse_args(flags))
+        return config.parse_args(flags).gelu_gemm_fusion()
 
     monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: True)
     assert resolved(["--openai-gelu", "--bf16"])
@@ -371,5 +374,5 @@ def test_gelu_gemm_fusion_flag(monkeypatch):
     monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: False)
     assert not resolved(["--openai-gelu", "--bf16"])
     for flags in (["--gelu-gemm-fusion"], ["--gelu-gemm-fusion", "--openai-gelu", "--swiglu"]):
-        with pytest.raises(SystemExit):
-            train.parse_args(flags)
+        with pytest.raises(ValueError, match="gelu_gemm_fusion"):
+            config.parse_args(flags).updated(padded_vocab_size=64).gpt()
