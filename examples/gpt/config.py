@@ -83,15 +83,6 @@ class ModelConfig:
         choices=("full", "selective"))
     recompute_num_layers: int | None = flag(
         None, "with full recompute: the first N blocks (default all)")
-    bias_gelu_fusion: bool = flag(False, "the MLP's bias add and GELU as one op whose "
-                                  "backward also makes the bias gradient; the same function")
-    gelu_gemm_fusion: bool | None = flag(
-        None, "the MLP's bias and GELU inside its GEMMs (tanh GELU: needs --openai-gelu); "
-        "None: on with --openai-gelu, --bf16 and the CUDA extension")
-    heads_grad_fusion: bool = flag(True, "the QKV projections' backward in one pass; the "
-                                         "same function")
-    layernorm_fusion: bool = flag(True, "norm forward and backward one kernel each, with "
-                                        "the residual add; the same function")
     padded_vocab_size: int | None = derived(help="the model's vocabulary (data's, padded)")
 
 
@@ -317,21 +308,7 @@ class Config:
             untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
             add_bias_linear=not m.disable_bias_linear,
             attention_backend=m.attention_backend,
-            gelu_gemm_keep_output=m.gelu_gemm_keep_output,
-            gradient_accumulation_fusion=bool(self.optimizer.gradient_accumulation_fusion),
-            bias_gelu_fusion=m.bias_gelu_fusion, gelu_gemm_fusion=self.gelu_gemm_fusion(),
-            heads_grad_fusion=m.heads_grad_fusion, layernorm_fusion=m.layernorm_fusion)
-
-    def gelu_gemm_fusion(self) -> bool:
-        """``--gelu-gemm-fusion`` resolved: as given, or on with tanh GELU, bf16 on a GPU
-        and the CUDA extension's GEMMs."""
-        m = self.model
-        if m.gelu_gemm_fusion is not None:
-            return m.gelu_gemm_fusion
-        from mpzero import kernels
-
-        return (m.openai_gelu and not m.swiglu and self.runtime.bf16 and not self.runtime.cpu
-                and kernels.gemm_gelu_available())
+            gelu_gemm_keep_output=m.gelu_gemm_keep_output)
 
 
 def _names(cls) -> set[str]:

@@ -66,26 +66,10 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
     attention_backend: str = "auto"  # SDPA kernel: "auto" (torch picks) or ATTENTION_BACKENDS
-    # The TP linear layers add their weight gradients into the optimizer's main_grad
-    # (mpzero.tensor_parallel.grad_accumulation); not part of the architecture.
-    gradient_accumulation_fusion: bool = False
-    # The MLP's bias and GELU as one op whose backward also makes the bias gradient
-    # (mpzero.tensor_parallel.bias_gelu); the same function as the unfused MLP.
-    bias_gelu_fusion: bool = False
-    # The MLP's bias and GELU (tanh, so openai_gelu) inside its GEMMs' epilogues
-    # (mpzero.tensor_parallel.gelu_mlp; where x and the weights share a dtype, i.e. not
-    # under autocast); the same function. keep_gelu_output: save gelu(z) for the backward
-    # (else it is made again there, one [tokens, ffn] activation less per layer).
-    gelu_gemm_fusion: bool = False
+    # Where the MLP's GELU runs inside its GEMMs (tp.parallel_mlp: tanh GELU, bf16 on a
+    # GPU): save gelu(z) for the backward, or make it again there (one [tokens, ffn]
+    # activation less per layer, a little slower).
     gelu_gemm_keep_output: bool = True
-    # The QKV (and GQA's Q, KV) projections' backward takes the heads' gradients in one
-    # pass that also makes the bias gradient (mpzero.tensor_parallel.heads; where the
-    # activations and weights share a dtype); the same function.
-    heads_grad_fusion: bool = True
-    # LayerNorm or RMSNorm forward and backward one kernel each, the residual add before
-    # ln_2 in the same pass (mpzero.tensor_parallel.layer_norm; where the activations and
-    # weights share a dtype); the same function.
-    layernorm_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -105,9 +89,6 @@ class GPTConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.gelu_gemm_fusion and (self.swiglu or not self.openai_gelu):
-            raise ValueError("gelu_gemm_fusion fuses GELU's tanh approximation: it needs "
-                             "openai_gelu=True and swiglu=False")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
 
@@ -145,12 +126,13 @@ class Norm(nn.Module):
 
     With sequence parallelism each rank normalizes its own tokens, so the gradients
     of ``weight``/``bias`` are partial over TP: they are all-reduced inside the
-    autograd graph (``reduce_grad_over_tensor_model_parallel_region``).
+    autograd graph (``reduce_grad_over_tensor_model_parallel_region``). ``plain``:
+    always PyTorch's own norm, never the fused kernel ``tp.norm`` may pick.
     """
 
-    def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group=None, plain: bool = False) -> None:
         super().__init__()
-        h = cfg.hidden_size
+        h, self.plain = cfg.hidden_size, plain
         self.rms = cfg.normalization == "RMSNorm"
         self.eps, self.sequence_parallel = cfg.layernorm_epsilon, cfg.sequence_parallel
         self.tp_group = resolve_tp_group(tp_group) if cfg.sequence_parallel else None
@@ -169,30 +151,17 @@ class Norm(nn.Module):
                 b, self.tp_group)
         return w, b
 
-    def fusable(self, x: torch.Tensor) -> bool:
-        """The fused kernels apply (LayerNorm or RMSNorm): activations in the weights'
-        dtype, no autocast."""
-        return x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
-
-    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s, self(s))`` with ``s = x + y``, in one pass (needs :meth:`fusable`)."""
-        w, b = self._params()
-        if self.rms:
-            return tp.add_rms_norm(x, y, w, self.eps)
-        return tp.add_layer_norm(x, y, w, b, self.eps)
-
-    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` by the fused kernels (needs :meth:`fusable`)."""
-        w, b = self._params()
-        if self.rms:
-            return tp.fused_rms_norm(x, w, self.eps)
-        return tp.fused_layer_norm(x, w, b, self.eps)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._params()
-        if self.rms:
-            return F.rms_norm(x, w.shape, w, self.eps)
-        return F.layer_norm(x, w.shape, w, b, self.eps)
+        if self.plain:
+            return F.rms_norm(x, w.shape, w, self.eps) if self.rms else \
+                F.layer_norm(x, w.shape, w, b, self.eps)
+        return tp.norm(x, w, b, self.eps, self.rms)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(s))`` with ``s = x + y`` (the residual add before the norm)."""
+        w, b = self._params()
+        return tp.add_norm(x, y, w, b, self.eps, self.rms)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -245,9 +214,8 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_backend = ATTENTION_BACKENDS.get(cfg.attention_backend)  # None: auto
         self.selective_recompute = cfg.recompute_granularity == "selective"
         self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
-        self.heads_grad_fusion = cfg.heads_grad_fusion
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                  gradient_accumulation_fusion=True)  # where the optimizer gives main_grad
         init = tp.init_method_normal(cfg.init_std)
         self.gqa = groups != nh
         if not self.gqa:
@@ -271,23 +239,16 @@ class CausalSelfAttention(nn.Module):
             h, h, bias=cfg.linear_bias, input_is_parallel=True, tp_group=tp_group,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers), **sp)
 
-    def _heads(self, linear: tp.ColumnParallelLinear, x: torch.Tensor, n: int):
-        """``linear(x)`` (``(B, T, H/tp * n * hd)``, head-major) as ``n`` tensors
-        ``(B, H/tp, T, hd)``."""
-        if self.heads_grad_fusion:
-            return linear.forward_heads(x, n, self.head_dim)
-        y, _ = linear(x)
-        return tp.split_heads(y, n, self.head_dim)
-
     def _qkv(self, x: torch.Tensor):
+        hd = self.head_dim
         if not self.gqa:
-            return self._heads(self.qkv, x, 3)  # each (B, nh/tp, T, hd)
-        (q,) = self._heads(self.q, x, 1)  # (B, nh/tp, T, hd)
+            return self.qkv.forward_heads(x, 3, hd)  # each (B, nh/tp, T, hd)
+        (q,) = self.q.forward_heads(x, 1, hd)  # (B, nh/tp, T, hd)
         if self.kv_replicated:
             kv = self.kv(x, self.group)  # (B, T, 2*hd): this rank's group only
             k, v = tp.split_heads(kv, 2, self.head_dim)  # each (B, 1, T, hd)
         else:
-            k, v = self._heads(self.kv, x, 2)  # each (B, G/tp, T, hd)
+            k, v = self.kv.forward_heads(x, 2, hd)  # each (B, G/tp, T, hd)
         return q, k, v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -365,43 +326,27 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                  gradient_accumulation_fusion=True)  # where the optimizer gives main_grad
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
-        self.gelu_gemm_fusion, self.keep_gelu_output = (cfg.gelu_gemm_fusion,
-                                                        cfg.gelu_gemm_keep_output)
+        self.keep_gelu_output = cfg.gelu_gemm_keep_output
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
-        # Bias-GELU fusion: fc returns its bias instead of adding it (skip_bias_add).
-        fuse = cfg.bias_gelu_fusion and cfg.linear_bias and not cfg.swiglu
         self.fc = tp.ColumnParallelLinear(cfg.hidden_size, fc_out, bias=cfg.linear_bias,
                                           init_method=tp.init_method_normal(cfg.init_std),
-                                          tp_group=tp_group, skip_bias_add=fuse, **sp)
+                                          tp_group=tp_group, **sp)
         self.proj = tp.RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.linear_bias, input_is_parallel=True,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers),
             tp_group=tp_group, **sp)
 
-    def _gemm_fusion_applies(self, x: torch.Tensor) -> bool:
-        """The GELU-in-GEMM path takes one dtype throughout (not autocast's mix)."""
-        return (self.gelu_gemm_fusion and x.dtype == self.fc.weight.dtype == self.proj.weight.dtype
-                and not torch.is_autocast_enabled(x.device.type))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemm_fusion_applies(x):
-            y, _ = tp.parallel_gelu_mlp(x, self.fc, self.proj,
-                                        keep_gelu_output=self.keep_gelu_output)
-            return y
-        y, bias = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
-        if self.swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
-            y = F.silu(gate) * up
-        elif bias is not None and bias.dtype == y.dtype:  # bias_gelu_fusion
-            y = tp.bias_gelu(y, bias, self.gelu_approximate)
-        elif bias is not None:  # autocast: bf16 activations, fp32 bias
-            y = F.gelu(y + bias, approximate=self.gelu_approximate)
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        y, _ = self.proj(y)  # (B, T, h)
+        if not self.swiglu:  # the op picks its fused path (GELU in the GEMMs, bias-GELU)
+            y, _ = tp.parallel_mlp(x, self.fc, self.proj, approximate=self.gelu_approximate,
+                                   keep_gelu_output=self.keep_gelu_output)
+            return y  # (B, T, h)
+        y, _ = self.fc(x)  # (B, T, 2*ffn/tp)
+        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
+        y, _ = self.proj(F.silu(gate) * up)  # (B, T, h)
         return y
 
 
@@ -414,17 +359,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp_group)
         # Replicated stream (same mask on TP ranks), per-rank with sequence parallelism.
         self.p, self.sequence_parallel = cfg.dropout, cfg.sequence_parallel
-        self.layernorm_fusion = cfg.layernorm_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.p, self.sequence_parallel
-        if self.layernorm_fusion and self.ln_1.fusable(x):
-            a = dropout(self.attn(self.ln_1.fused_forward(x)), p, self.training, sp)
-            x, h = self.ln_2.add_forward(x, a)
-            return x + dropout(self.mlp(h), p, self.training, sp)
-        x = x + dropout(self.attn(self.ln_1(x)), p, self.training, sp)
-        x = x + dropout(self.mlp(self.ln_2(x)), p, self.training, sp)
-        return x
+        a = dropout(self.attn(self.ln_1(x)), p, self.training, sp)
+        x, h = self.ln_2.add_forward(x, a)  # x + a, and ln_2 of it, in one pass
+        return x + dropout(self.mlp(h), p, self.training, sp)
 
 
 class GPT(nn.Module):
@@ -465,14 +405,16 @@ class GPT(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False,
                 init_method=tp.init_method_normal(cfg.init_std), tp_group=tp_group,
                 sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                gradient_accumulation_fusion=True)
         if pre_process or (post_process and tied):
             self.wte = wte
         self.wpe = wpe if pre_process else None
         self.blocks = nn.ModuleList(b for i, b in enumerate(blocks) if i in self.layers)
         self.output_layer = output_layer if post_process else None
         if post_process:
-            self.ln_f = Norm(cfg, tp_group)
+            # PyTorch's norm: the fused kernel rounds differently, and the final norm has
+            # always been this one, so runs and checkpoints keep their loss curves.
+            self.ln_f = Norm(cfg, tp_group, plain=True)
         recompute = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else \
             len(self.blocks)
         self.full_recompute_layers = recompute if cfg.recompute_granularity == "full" else 0

@@ -254,9 +254,7 @@ def start_log(run: Run) -> logging_utils.TrainLogger:
               f"{t.global_batch_size} = micro {t.micro_batch_size} x dp {dp} x grad-acc "
               f"{run.grad_acc}{' (accumulated in the GEMMs)' if fused else ''}; "
               f"{run.device.type} {precision_name}"
-              f"{' compiled (' + compiled + ')' if compiled else ''}"
-              f"{'; MLP: bias + GELU in the GEMMs' if run.gpt.gelu_gemm_fusion else ''}",
-              flush=True)
+              f"{' compiled (' + compiled + ')' if compiled else ''}", flush=True)
     # Which node each rank runs on, so the log shows what the optimizer groups span.
     nodes: list = [None] * world
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
