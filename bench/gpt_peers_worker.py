@@ -50,7 +50,8 @@ sys.path.insert(0, str(REPO))
 import dp_adamw  # noqa: E402  (bench/, beside this script)
 
 from examples.gpt import compiling, logging_utils, optim, precision  # noqa: E402
-from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
+from examples.gpt.logging_utils import flops_per_token, num_parameters  # noqa: E402
+from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
 from mpzero import parallel_state  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
 
@@ -278,7 +279,7 @@ def run(setup: str, a) -> dict | None:
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
             "memory_kind": logging_utils.memory_kind(device),
             "step_ms": st_ms, "step_share": st_ms / it_ms, "loss_first": losses[0],
-            "loss_last": losses[-1], "parameters": w.model.num_parameters(),
+            "loss_last": losses[-1], "parameters": num_parameters(cfg),
             "iter_ms_all": iter_ms, "step_ms_all": step_ms}
 
 

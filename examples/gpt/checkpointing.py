@@ -28,7 +28,6 @@ load. Resuming picks the newest checkpoint that verifies on every rank
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ from mpzero import comm, parallel_state
 from mpzero import tensor_parallel as tp
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.checkpoint import safe_load
+from mpzero.checkpoint.safe_load import sha256_file
 
 FORMAT = "mpzero-gpt-checkpoint-1"
 DCP_DIR = "dcp"
@@ -72,14 +72,6 @@ def _ranks() -> dict[str, int]:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -629,37 +621,3 @@ def _load_rng(ckpt: Path, manifest: dict, r: dict, load_rng: bool) -> None:
     rng_name = f"rng_rank{r['rank']:05d}.pt"
     if load_rng and _restores_rng(manifest, r) and rng_name in manifest["files"]:
         set_rng_state(verified_load(ckpt, rng_name, manifest))
-
-
-def verify_all(ckpt_dir: str | Path) -> list[str]:
-    """Problems of a checkpoint (every file's checksum, in one process); [] when sound."""
-    try:
-        manifest = read_manifest(ckpt_dir)
-    except CheckpointError as e:
-        return [str(e)]
-    problems = []
-    for name, digest in manifest["files"].items():
-        path = Path(ckpt_dir) / name
-        if not path.exists():
-            problems.append(f"{path} is missing")
-        elif sha256_file(path) != digest:
-            problems.append(f"checksum mismatch for {path}")
-    return problems
-
-
-def merge_tensor_parallel_shards(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full (TP=1) model state dict of a checkpoint, every file verified."""
-    manifest = read_manifest(ckpt_dir)
-    if manifest.get("ckpt_format") == "torch_dist":
-        problems = verify_all(ckpt_dir)
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        return mdcp.consolidate(Path(ckpt_dir) / DCP_DIR, optimizer=False)["model"]
-    shards = [verified_load(ckpt_dir, f"model_tp{t:02d}.pt", manifest)
-              for t in range(manifest["tensor_model_parallel_size"])]
-    dims = shards[0]["partition_dims"]
-    full = {}
-    for key, value in shards[0]["model"].items():
-        dim = dims.get(key)
-        full[key] = value if dim is None else torch.cat([s["model"][key] for s in shards], dim)
-    return full

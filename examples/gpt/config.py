@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
 
 from .compiling import MODES as COMPILE_MODES  # each transformer block, or the forward
-from .model import ATTENTION_BACKENDS, GPTConfig, padded_vocab_size
+from .model import ATTENTION_BACKENDS, GPTConfig
 
 
 def flag(default, help: str, **argparse_kw):
@@ -309,6 +310,15 @@ class Config:
             add_bias_linear=not m.disable_bias_linear,
             attention_backend=m.attention_backend,
             gelu_gemm_keep_output=m.gelu_gemm_keep_output)
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
+                      divisible_by: int = 128) -> int:
+    """Round ``vocab_size`` up to a multiple of ``lcm(divisible_by, tp)``: unlike
+    Megatron's ``divisible_by * tp``, the same for every TP size dividing
+    ``divisible_by``, so TP=1 and TP=2 models are comparable."""
+    multiple = math.lcm(divisible_by, tensor_model_parallel_size)
+    return -(-vocab_size // multiple) * multiple
 
 
 def _names(cls) -> set[str]:

@@ -43,7 +43,6 @@ the example and its tests use (``import data``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -51,6 +50,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
+from mpzero.checkpoint.safe_load import sha256_file
 
 from .checkpointing import atomic_write_bytes
 from .corpus import (
@@ -91,14 +92,6 @@ DEFAULT_CACHE = Path(os.environ.get("MPZERO_DATA_CACHE",
 
 
 # ----------------------------------------------------------------------------- prepare
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -166,7 +159,7 @@ def prepare(cfg: CorpusConfig, output: str | Path, *, force: bool = False,
         meta["splits"][name] = {"file": f"{name}.bin", "tokens": int(tokens.size),
                                 "documents": len(texts),
                                 "doc_offsets": f"{name}_doc_offsets.npy",
-                                "sha256": _sha256(out / f"{name}.bin")}
+                                "sha256": sha256_file(out / f"{name}.bin")}
     atomic_write_bytes(out / "meta.json", json.dumps(meta, indent=1).encode())
     if not quiet:
         s = meta["splits"]

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .model import GPTConfig
+
 # Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
@@ -235,3 +237,40 @@ class TrainLogger:
 def is_tty() -> bool:
     """Whether stderr (where the bar goes) is a terminal; ``TERM=dumb`` counts as not."""
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+# ----------------------------------------------------------------------------- model size
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Parameters of the full (unsharded, unsplit) model of ``cfg``."""
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    b = 1 if cfg.linear_bias else 0
+    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+    fc = 2 * f if cfg.swiglu else f
+    norm = h * (2 if cfg.bias and cfg.normalization == "LayerNorm" else 1)
+    per_layer = (h * qkv + qkv * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
+    per_layer += 2 * norm
+    total = L * per_layer + V * h + norm
+    if cfg.position_embedding_type == "learned_absolute":
+        total += cfg.seq_length * h
+    if cfg.untie_embeddings_and_output_weights:
+        total += V * h
+    return total
+
+
+def flops_per_token(cfg: GPTConfig, seq_length: int | None = None) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token of the full model.
+
+    Matmuls only, 2 FLOPs per multiply-add: per layer QKV ``2h(h + 2*G*hd)`` (``6h^2``
+    for multi-head), projection ``2h^2``, MLP ``4hf`` (``6hf`` with SwiGLU), attention
+    scores and values ``4sh`` (counted without the causal half, as Megatron and PaLM
+    do); the output layer ``2hV``. Recomputation is not counted (model FLOPs).
+    Equals ``6 * N_matmul + 12 * L * s * h``.
+    """
+    s = cfg.seq_length if seq_length is None else seq_length
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+    mlp = 3 * h * f if cfg.swiglu else 2 * h * f
+    forward = L * (2 * h * qkv + 2 * h * h + 2 * mlp + 4 * s * h) + 2 * h * V
+    return 3.0 * forward

@@ -50,7 +50,8 @@ from . import (
     resume,
 )
 from .config import Config
-from .model import GPT, GPTConfig, flops_per_token
+from .logging_utils import flops_per_token, num_parameters
+from .model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------- setup
 
@@ -247,7 +248,7 @@ def start_log(run: Run) -> logging_utils.TrainLogger:
     compiled = (rt.compile_mode or "block") if rt.compile else None
     if dist.get_rank() == 0:
         fused = cfg.optimizer.gradient_accumulation_fusion
-        print(f"GPT: {run.model.num_parameters() / 1e6:.2f}M parameters, vocab "
+        print(f"GPT: {num_parameters(run.gpt) / 1e6:.2f}M parameters, vocab "
               f"{run.vocab_size} (padded {run.gpt.vocab_size}), world {world} = tp "
               f"{tp_size} x pp {pp_size} x dp {dp}; optimizer DistributedFusedAdam over "
               f"distributed {dist_size} x redundant {redundant}; global batch "
@@ -269,7 +270,7 @@ def start_log(run: Run) -> logging_utils.TrainLogger:
                "distributed_optimizer_size": dist_size, "redundant_optimizer_size": redundant,
                "distributed_group_ranks": dist.get_process_group_ranks(
                    parallel_state.get_distributed_optimizer_group()),
-               "nodes": nodes, "parameters": run.model.num_parameters(),
+               "nodes": nodes, "parameters": num_parameters(run.gpt),
                "flops_per_token": flops_per_token(run.gpt), "device": run.device.type,
                "bf16": precision_name != "fp32", "precision": precision_name,
                "compile": compiled})

@@ -33,6 +33,7 @@ from mpzero.tensor_parallel.layer_norm import (
 )
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     init_method_normal,
@@ -62,6 +63,7 @@ from mpzero.tensor_parallel.utils import divide, set_tensor_model_parallel_attri
 
 __all__ = [
     "ColumnParallelLinear",
+    "ReplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "init_method_normal",

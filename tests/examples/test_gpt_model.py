@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from examples.gpt.model import GPT, GPTConfig, flops_per_token, padded_vocab_size
+from examples.gpt.config import padded_vocab_size
+from examples.gpt.logging_utils import flops_per_token, num_parameters
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp
 
@@ -132,7 +134,7 @@ def test_param_groups_exclude_bias_norm_and_embeddings():
 def test_parameter_count_and_flops():
     cfg = GPTConfig(**CFG)
     model = GPT(cfg)
-    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert num_parameters(model.cfg) == sum(p.numel() for p in model.parameters())
     h, L, s, V = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.vocab_size
     matmul_params = L * (12 * h * h) + V * h  # QKV + proj + 2 MLP matrices, tied head
     assert flops_per_token(cfg) == 6 * matmul_params + 12 * L * s * h
