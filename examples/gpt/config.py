@@ -326,7 +326,7 @@ def _names(cls) -> set[str]:
 
 
 def _flags(cls):
-    """``(field, python type, NoneType allowed)`` of each flag of a section."""
+    """``(field, type without None)`` of each flag (each field but the derived ones)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli", True):

@@ -23,7 +23,7 @@ offsets files and the files' checksums.
 Megatron's indexed format (``PREFIX.bin`` + ``PREFIX.idx``, "MMIDIDX") is read
 and written too: ``--output-prefix PREFIX [--tokenizer-file tokenizer.json]``
 writes the pair (all documents, in order; training splits them by ``--split``),
-and pretrain_gpt.py trains from one with ``--data-path PREFIX``, also from pairs
+and ``-m examples.gpt.train`` trains from one with ``--data-path PREFIX``, also from pairs
 made by Megatron's ``tools/preprocess_data.py``.
 
 Sampling: :class:`GlobalBatchSampler` draws the *global* batch from one seeded

@@ -1,4 +1,4 @@
-"""Training logs of pretrain_gpt.py: console lines, a progress bar, JSONL and TensorBoard.
+"""Training logs of the GPT example: console lines, a progress bar, JSONL and TensorBoard.
 
 One :class:`TrainLogger` per run (every rank builds one; only global rank 0 writes).
 Every ``--log-interval`` iterations it prints one line, in the manner of Megatron-LM
