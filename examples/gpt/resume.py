@@ -1,7 +1,7 @@
 """``--load``: which checkpoint the GPT example resumes from, whether it fits this run,
 and which side wins where the command line and the checkpoint differ.
 
-1. The checkpoint is chosen first (:func:`checkpointing.choose_checkpoint`, collective:
+1. The checkpoint is chosen first (:func:`checkpoint_choice.choose_checkpoint`, collective:
    the newest that verifies on every rank, or ``--load-iteration``); ``latest`` is
    never trusted. Every check below reads *that* checkpoint's manifest.
 2. Model shape (:data:`ARCH_ARGS`) and optimizer (DistributedFusedAdam) must be the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import checkpointing
+from . import checkpoint_choice, checkpointing
 from .config import Config
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -159,7 +159,7 @@ def prepare(cfg: Config) -> tuple[Path | None, dict | None, list[str], Config]:
     anything is loaded: ``(checkpoint dir, manifest, lines to print, configuration to
     run with)``, or ``(None, None, lines, cfg)`` when the run starts from scratch."""
     ck = cfg.checkpoint
-    ckpt = checkpointing.choose_checkpoint(ck.load, ck.load_iteration)
+    ckpt = checkpoint_choice.choose_checkpoint(ck.load, ck.load_iteration)
     if ckpt is None:
         return None, None, [no_checkpoint(ck)], cfg
     manifest = checkpointing.read_manifest(ckpt)
@@ -179,9 +179,9 @@ def resume(cfg: Config, model, optimizer, sampler, rank: int) -> tuple[int, Conf
             print(lines[0], flush=True)
         return 0, cfg
     built = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
-    manifest = checkpointing.load_checkpoint(
-        ck.load, model, None if ck.no_load_optim else optimizer,
-        load_rng=not ck.no_load_rng, ckpt=ckpt)
+    manifest = checkpointing.load_checkpoint(ckpt, model,
+                                             None if ck.no_load_optim else optimizer,
+                                             load_rng=not ck.no_load_rng)
     if ck.no_load_optim:
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()  # master weights from the loaded model

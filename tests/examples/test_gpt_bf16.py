@@ -21,7 +21,15 @@ import torch
 import torch.distributed as dist
 
 from bench import dp_adamw
-from examples.gpt import checkpointing, compiling, config, optim, precision, train
+from examples.gpt import (
+    checkpoint_choice,
+    checkpointing,
+    compiling,
+    config,
+    optim,
+    precision,
+    train,
+)
 from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 
@@ -198,7 +206,8 @@ def _resume(save_dir: str, name: str, remainders: bool, ckpt_format: str,
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     model, opt = _build(name, True, remainders, seed=99, **opts)  # other weights, then load
-    assert checkpointing.load_checkpoint(save_dir, model, opt)["iteration"] == 3
+    ckpt = checkpoint_choice.choose_checkpoint(save_dir)
+    assert checkpointing.load_checkpoint(ckpt, model, opt)["iteration"] == 3
     resumed = _train(model, opt, range(4, 7), tokens)
     if hasattr(opt, "param_sync"):
         opt.param_sync()

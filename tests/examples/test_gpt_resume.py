@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.gpt import checkpointing, config, optim, resume
+from examples.gpt import checkpoint_choice, checkpointing, config, optim, resume
 from examples.gpt.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -170,7 +170,8 @@ def _dfa_state_into_adamw(root: str, fmt: str):
     before = {k: v.clone() for k, v in other.state_dict().items()}
     adamw = torch.optim.AdamW(other.param_groups(0.1), lr=1e-3)
     try:
-        checkpointing.load_checkpoint(root, other, adamw)
+        checkpointing.load_checkpoint(checkpoint_choice.choose_checkpoint(root), other,
+                                     adamw)
     except checkpointing.CheckpointError as e:
         assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
         return str(e)
@@ -268,14 +269,14 @@ def _dcp_crafted(root: str, marker: str):
         md = Path(root) / "iter_0000002" / "dcp"
         _replace(md.parent, "dcp/.metadata", pickle.dumps(Payload(marker)))
     dist.barrier()
-    chosen = checkpointing.choose_checkpoint(root)
-    manifest = checkpointing.load_checkpoint(root, model, opt, ckpt=chosen)
+    chosen = checkpoint_choice.choose_checkpoint(root)
+    manifest = checkpointing.load_checkpoint(chosen, model, opt)
     dist.barrier()  # every rank has read iteration 1 (its RNG file too) before it goes
     if dist.get_rank() == 0:
         shutil.rmtree(Path(root) / "iter_0000001")
     dist.barrier()
     try:
-        checkpointing.load_checkpoint(root, model, opt)
+        checkpointing.load_checkpoint(checkpoint_choice.choose_checkpoint(root), model, opt)
     except checkpointing.CheckpointError as e:
         return manifest["iteration"], str(e)
     return manifest["iteration"], None
