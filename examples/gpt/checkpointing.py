@@ -1,29 +1,15 @@
-"""Checkpoints of the GPT example: atomic, checksummed, one model shard per TP rank.
+"""Checkpoints of the GPT example: atomic, checksummed, all or nothing.
 
-Layout of ``--save DIR``::
-
-    DIR/latest                       "iter_0000100"       written last (atomic; a hint only)
-    DIR/iter_0000100/
-        dcp/                         --ckpt-format torch_dist (default): every rank's model
-                                     and optimizer shards (mpzero.checkpoint.dcp)
-        model_tp00.pt, model_tp01.pt --ckpt-format torch: one per TP rank:
-                                     {"model", "partition_dims", "optimizer"}
-        rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
-        manifest.json                iteration, args, data position, grid, sha256 of each file
-
-``torch_dist`` loads at any TP size and distributed x redundant grid (model and
-optimizer state, :mod:`mpzero.checkpoint.dcp`). In ``torch``, the model shards are
-written by the first data-parallel rank of each TP rank (the data-parallel replicas
-hold the same shard), beside DistributedFusedAdam's format-2 ``state_dict()`` (the
-same on every rank of the data-parallel group): it loads at any distributed x
-redundant grid, at the TP size of the save only. Every file goes to a temporary name
-in the same directory, is fsynced and ``os.replace``d into place; ``manifest.json``
-(with the checksums) comes after all files, ``latest`` after the manifest. A crash
-mid-save leaves ``latest`` on the previous checkpoint; a corrupted file, or one that
-would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused on
-load. Resuming picks the newest checkpoint that verifies on every rank
-(checkpoint_choice.py) and stops at one made for another run
-(:class:`CheckpointMismatch`); see docs/reliability.md.
+``--save DIR`` holds ``iter_0000100/`` directories (layout: docs/checkpoints.md) with
+the model and optimizer (``--ckpt-format torch_dist``, the default: every rank's shards
+through :mod:`mpzero.checkpoint.dcp`, loadable at any TP size and optimizer grid;
+``torch``: one format-2 file per TP rank, loadable at its TP size), every rank's RNG
+states and ``manifest.json`` (iteration, the run's configuration, data position, grid,
+sha256 of each file), and ``latest``. Every file goes to a temporary name, is fsynced
+and ``os.replace``d; the manifest comes after all files, ``latest`` after it, so a crash
+mid-save leaves the previous checkpoint the newest. On load a corrupted file, or one
+that would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused;
+checkpoint_choice.py picks which checkpoint to load (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -1,43 +1,15 @@
 """Data for the GPT example: tokenize a corpus once, then sample sequences from a memmap.
 
-Preparation (once; a second run with the same configuration is a no-op)::
-
-    python examples/gpt/data.py --output DIR                       # the default corpus
-    python examples/gpt/data.py --input a.txt docs/ b.jsonl --output DIR
-
-The default corpus is real text every machine has without a download: the
-``.py`` sources of the Python standard library (sysconfig's ``stdlib`` path,
-tests and site-packages left out), read in sorted order up to ``--max-mb``.
-Inputs may be text files, directories (searched for .txt/.md/.py/.jsonl) or
-JSONL files with a ``"text"`` field per line; each file or JSONL record is one
-document, and documents are separated by an end-of-text token. A
-deterministic, seeded ``--val-fraction`` of the documents is held out.
-
-``DIR`` then holds ``train.bin`` / ``val.bin`` (the token ids, uint16 when the
-vocabulary fits, else uint32; read as ``np.memmap``), ``tokenizer.json`` (a
-byte-level BPE trained with the ``tokenizers`` library, or none with
-``--tokenizer bytes``: ids are the UTF-8 bytes) and ``meta.json``, written last,
-with the configuration, its hash (the cache key), token counts, document
-offsets files and the files' checksums.
-
-Megatron's indexed format (``PREFIX.bin`` + ``PREFIX.idx``, "MMIDIDX") is read
-and written too: ``--output-prefix PREFIX [--tokenizer-file tokenizer.json]``
-writes the pair (all documents, in order; training splits them by ``--split``),
-and ``-m examples.gpt.train`` trains from one with ``--data-path PREFIX``, also from pairs
-made by Megatron's ``tools/preprocess_data.py``.
-
-Sampling: :class:`GlobalBatchSampler` draws the *global* batch from one seeded
-stream (per epoch: a random offset and a permutation of the non-overlapping
-``seq_length + 1``-token windows), identically on every rank; data-parallel rank
-``r`` takes the ``r``-th slice. So the sequences of an iteration do not depend on
-the parallel layout, and the sampler position (epoch, index) is all a
-checkpoint needs to resume the stream.
-
-Where the code lives: :mod:`corpus` (documents, configuration, cache key),
-:mod:`tokenizing` (byte and BPE tokenizers), :mod:`sampling` (global-batch
-sampler, batches), :mod:`indexed_dataset` (the MMIDIDX pair); this module
-prepares and reads the data directory, holds the CLI and re-exports the names
-the example and its tests use (``import data``).
+``python -m examples.gpt.data --output DIR [--input a.txt docs/ b.jsonl]`` tokenizes the
+default corpus (the Python standard library's sources: real text with no download) or
+the inputs into ``DIR``: ``train.bin`` / ``val.bin`` (token ids, read as ``np.memmap``),
+``tokenizer.json`` and ``meta.json`` (written last: configuration, its hash as the cache
+key, counts, checksums); ``--output-prefix PREFIX`` writes Megatron's indexed pair
+instead, which training reads with ``--data-path PREFIX`` (README "Data"). The other
+modules: :mod:`corpus` (documents, configuration, cache key), :mod:`tokenizing`,
+:mod:`sampling` (the global-batch sampler: the same sequences whatever the parallel
+layout), :mod:`indexed_dataset`; this module re-exports what the example and its tests
+use.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Training logs of the GPT example: console lines, a progress bar, JSONL and TensorBoard.
 
-One :class:`TrainLogger` per run (every rank builds one; only global rank 0 writes).
-Every ``--log-interval`` iterations it prints one line, in the manner of Megatron-LM
-and torchtitan::
-
-    iter   40/300 | samples 1,280 | tokens 81,920 | loss 5.1234 | lr 2.000e-03 |
-    grad norm 0.812 | 412.3 ms/iter | 4,967 tok/s | 0.0021 TFLOP/s/dev | MFU - |
-    peak mem 0.41 GiB
-
-(on one line). On a terminal a tqdm progress bar stays at the bottom and the metric
-lines are written above it (``tqdm.write``); when the output is not a terminal (a
-file, SLURM's ``-o``, CI) or with ``--no-progress`` there is no bar, only the plain
-lines. The JSONL log (``--log-file``) keeps every field of every record, and
-``--tensorboard-dir`` writes the same scalars with ``torch.utils.tensorboard``.
-
-The module is named ``logging_utils`` so that it does not shadow the standard
-library's :mod:`logging`.
+One :class:`TrainLogger` per run (every rank builds one; only global rank 0 writes):
+every ``--log-interval`` iterations one line in the manner of Megatron-LM and
+torchtitan (``iter 40/300 | samples ... | loss ... | MFU ... | peak mem ...``), above a
+tqdm bar on a terminal (none in files, SLURM logs, CI or with ``--no-progress``); the
+JSONL log (``--log-file``) keeps every field, ``--tensorboard-dir`` the same scalars.
+Also the model's size and FLOPs per token for the MFU column. (Named so as not to
+shadow the standard library's :mod:`logging`.)
 """
 
 from __future__ import annotations

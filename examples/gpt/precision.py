@@ -2,8 +2,8 @@
 
 - ``--bf16`` (Megatron's meaning): the model's parameters are bf16, and so are
   the activations and the matmuls; the fp32 master weights live in the optimizer
-  (DistributedFusedAdam's shards, or DataParallelAdamW's master copies), and the
-  loss is computed in fp32 from the bf16 logits. Parameters and gradients take
+  (DistributedFusedAdam's shards), and the loss is computed in fp32 from the bf16
+  logits. Parameters and gradients take
   2 + 2 bytes per parameter on every rank, the masters and moments 12 bytes
   sharded by the optimizer.
 - ``--autocast-bf16`` (the example's former ``--bf16``): fp32 parameters under
