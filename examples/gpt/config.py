@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _toml_defaults(path: str, p: argparse.ArgumentParser) -> dict:
-    """The TOML file's values by ``dest``; an unknown table or key is an argparse error."""
+    """The TOML file's values by ``dest``; an unknown table or key, a value of another
+    type than the flag's or not among its choices is an argparse error."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:
@@ -371,11 +372,20 @@ def _toml_defaults(path: str, p: argparse.ArgumentParser) -> dict:
     for name, values in tables.items():
         if name not in SECTIONS or not isinstance(values, dict):
             p.error(f"--config {path}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
-        flags = {f.name for f, _ in _flags(SECTIONS[name])}
+        flags = {f.name: (f, kind) for f, kind in _flags(SECTIONS[name])}
         for key, value in values.items():
             key = key.replace("-", "_")
             if key not in flags:
                 p.error(f"--config {path}: [{name}] has no field {key!r}")
+            f, kind = flags[key]
+            if kind is float and type(value) is int:
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                p.error(f"--config {path}: [{name}] {key} = {value!r} is not of type "
+                        f"{kind.__name__}")
+            if value not in f.metadata.get("choices", (value,)):
+                p.error(f"--config {path}: [{name}] {key} = {value!r}: choose from "
+                        f"{f.metadata['choices']}")
             out[key] = value
     return out
 

@@ -79,6 +79,8 @@ def test_toml_file_under_the_command_line(tmp_path):
     assert cfg.model.num_layers == 2  # the command line wins
     assert cfg.model.hidden_size == 96 and cfg.optimizer.lr == 0.002  # then the file
     assert cfg.logging.log_file == "x.jsonl"
+    path.write_text("[optimizer]\nlr = 1\nmin_lr = 0\n")  # TOML ints for float fields
+    assert config.parse_args(["--config", str(path)]).optimizer.lr == 1.0
     assert cfg.training.train_iters == config.TrainingConfig().train_iters  # then defaults
     # The file's values are checked like flags.
     path.write_text("[optimizer]\nlr = 0.001\nmin_lr = 0.01\n")
@@ -90,6 +92,9 @@ def test_toml_file_under_the_command_line(tmp_path):
     ("[modle]\nnum_layers = 2\n", "unknown section [modle]"),
     ("[model]\nnum_layer = 2\n", "[model] has no field 'num_layer'"),
     ("[model]\npadded_vocab_size = 2\n", "[model] has no field 'padded_vocab_size'"),
+    ("[model]\nnum_layers = \"2\"\n", "num_layers = '2' is not of type int"),
+    ("[model]\nswiglu = 1\n", "swiglu = 1 is not of type bool"),
+    ("[model]\nnormalization = \"BatchNorm\"\n", "choose from"),
 ])
 def test_toml_typos_are_errors(tmp_path, capsys, text, message):
     path = tmp_path / "run.toml"
