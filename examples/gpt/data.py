@@ -218,25 +218,36 @@ def load_splits(d, rank: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
 # ----------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m examples.gpt.data``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="*", default=[],
                    help="text files, directories or JSONL files (default: Python stdlib)")
     p.add_argument("--output", default=None,
                    help=f"output directory (default: under {DEFAULT_CACHE})")
-    p.add_argument("--max-mb", type=float, default=CorpusConfig.max_mb)
-    p.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
-    p.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size)
-    p.add_argument("--val-fraction", type=float, default=CorpusConfig.val_fraction)
-    p.add_argument("--seed", type=int, default=CorpusConfig.seed)
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--max-mb", type=float, default=CorpusConfig.max_mb,
+                   help="MiB of input text to read at most")
+    p.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe",
+                   help="byte-level BPE trained on the training documents, or raw bytes")
+    p.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size,
+                   help="the BPE vocabulary")
+    p.add_argument("--val-fraction", type=float, default=CorpusConfig.val_fraction,
+                   help="share of the documents held out for validation")
+    p.add_argument("--seed", type=int, default=CorpusConfig.seed,
+                   help="seed of the held-out choice")
+    p.add_argument("--json-key", default="text", help="the text field of JSONL records")
     p.add_argument("--force", action="store_true", help="prepare even when cached")
     p.add_argument("--output-prefix", default=None,
                    help="write Megatron's indexed pair PREFIX.bin/PREFIX.idx instead "
                         "(train with --data-path PREFIX)")
     p.add_argument("--tokenizer-file", default=None,
                    help="with --output-prefix: tokenize with this tokenizers JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     a = p.parse_args(argv)
     cfg = CorpusConfig(inputs=list(a.input), max_mb=a.max_mb, tokenizer=a.tokenizer,
                        vocab_size=a.vocab_size, val_fraction=a.val_fraction, seed=a.seed,

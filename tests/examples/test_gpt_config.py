@@ -10,10 +10,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_every_flag_has_a_help_text():
-    parser = config.build_parser()
-    flags = [a for a in parser._actions if a.option_strings]
-    assert len(flags) > 70  # the example's whole command line
-    missing = [a.option_strings[0] for a in flags if not (a.help or "").strip()]
+    from examples.gpt import data, plot_log
+
+    flags = [a for a in config.build_parser()._actions if a.option_strings]
+    assert len(flags) > 70  # the training script's whole command line
+    for parser in (data.build_parser(), plot_log.build_parser()):  # the other commands
+        flags += [a for a in parser._actions if a.option_strings or a.dest == "logs"]
+    missing = [a.option_strings or a.dest for a in flags if not (a.help or "").strip()]
     assert missing == []
 
 
