@@ -79,11 +79,13 @@ def _failed_write(tmp: Path, path: Path, e: BaseException) -> None:
         e.filename = str(path)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, write) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsync it, rename it to ``path``
+    and fsync the directory: a crash leaves the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,23 +93,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         _failed_write(tmp, path, e)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, atomically (:func:`_atomic_write`)."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_torch_save(obj, path: Path) -> str:
-    """``torch.save`` to a temp file in the same dir, fsync, rename; returns its sha256."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        _failed_write(tmp, path, e)
-        raise
-    _fsync_dir(path.parent)
-    return digest
+    """``torch.save(obj)`` into ``path``, atomically; returns the file's sha256."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+    return sha256_file(path)
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from examples.gpt import data
+from examples.gpt import checkpointing, data
 from mpzero.checkpoint import __main__ as ckpt_tool
 
 
@@ -20,8 +20,13 @@ def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int)
 
 
 def verify_all(ckpt: str | Path) -> list[str]:
-    """Problems of a checkpoint (every file of its manifest checked against its
-    checksum, as ``python -m mpzero.checkpoint inspect`` does); [] when sound."""
+    """Problems of one of the example's checkpoints: no (valid) manifest, i.e. a save that
+    did not finish, or a file of the manifest missing or not matching its checksum (as
+    ``python -m mpzero.checkpoint inspect`` checks them); [] when sound."""
+    try:
+        checkpointing.read_manifest(ckpt)  # the tool also takes a bare DCP folder
+    except checkpointing.CheckpointError as e:
+        return [str(e)]
     return [f"{name}: {status}" for name, _, status in ckpt_tool.check(Path(ckpt))
             if status != "ok"]
 

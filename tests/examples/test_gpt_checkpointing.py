@@ -96,3 +96,20 @@ def test_tp_size_mismatch_is_an_error(tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(checkpointing.CheckpointError, match="tensor_model_parallel_size=2"):
         _load_newest(tmp_path, model, opt)
+
+
+def test_verify_all_helper_tells_sound_from_unfinished(tmp_path):
+    """The tests' ``verify_all`` (over the checkpoint tool): [] for a complete save; a
+    problem for a corrupted file and for a save without its manifest, even one whose
+    directory holds nothing but a DCP folder (which the tool alone would take as sound)."""
+    from gpt_test_data import verify_all
+
+    model, opt = _trained(0)
+    out = checkpointing.save_checkpoint(tmp_path, 1, model, opt)
+    assert verify_all(out) == []
+    (out / "rng_rank00000.pt").write_bytes(b"changed")
+    assert any("rng_rank00000.pt" in p for p in verify_all(out))
+    bare = tmp_path / "iter_0000002" / "dcp"
+    bare.mkdir(parents=True)
+    (bare / ".metadata").write_bytes(b"written before the manifest")
+    assert "no manifest.json" in verify_all(bare.parent)[0]
