@@ -95,10 +95,8 @@ def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
         if getattr(a, flag):
             out.append(f"--{flag.replace('_', '-')}")
     out.append("--overlap-param-sync" if a.overlap_param_sync else "--no-overlap-param-sync")
-    if a.bias_gelu_fusion:
-        out.append("--bias-gelu-fusion")
-    for flag in ("gradient_accumulation_fusion", "gelu_gemm_fusion", "gelu_gemm_keep_output",
-                 "heads_grad_fusion", "layernorm_fusion"):
+    for flag in ("gradient_accumulation_fusion", "bias_gelu_fusion", "gelu_gemm_fusion",
+                 "gelu_gemm_keep_output", "heads_grad_fusion", "layernorm_fusion"):
         value = getattr(a, flag)
         if value is not None:
             name = flag.replace("_", "-")

@@ -50,8 +50,10 @@ sys.path.insert(0, str(REPO))
 import dp_adamw  # noqa: E402  (bench/, beside this script)
 
 from examples.gpt import compiling, logging_utils, optim, precision  # noqa: E402
-from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig, flops_per_token  # noqa: E402
+from examples.gpt.logging_utils import flops_per_token, num_parameters  # noqa: E402
+from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
 from mpzero import parallel_state  # noqa: E402
+from mpzero import tensor_parallel as tp  # noqa: E402
 
 SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
 BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16
@@ -178,8 +180,8 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
             bucket_cap_mb=a.bucket_cap_mb,
             grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,
             store_param_remainders=setup == "dfa-remainders", compiled_units=units,
-            gradient_accumulation_fusion=cfg.gradient_accumulation_fusion, **HP)
-        if cfg.gradient_accumulation_fusion:
+            gradient_accumulation_fusion=grad_accumulation_fusion(setup, a), **HP)
+        if grad_accumulation_fusion(setup, a):
             optim.prepare_grad_accumulation_fusion(opt)
         return Wrapped(model, model, opt, autocast=autocast,
                        no_sync=lambda: optim.no_sync(opt), clip=lambda: opt.clip_grad_norm(CLIP))
@@ -202,28 +204,31 @@ def grad_accumulation_fusion(setup: str, a) -> bool:
 
 
 def model_config(a, setup: str = "") -> GPTConfig:
-    """The GPT of the shape flags (:func:`add_shape_args`) for ``setup``."""
+    """The GPT of the shape flags (:func:`add_shape_args`); the same for every setup."""
     return GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                      attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
-                     gradient_accumulation_fusion=grad_accumulation_fusion(setup, a),
-                     bias_gelu_fusion=bool(a.bias_gelu_fusion),
-                     gelu_gemm_fusion=gelu_gemm_fusion(a) and not uses_autocast(setup),
-                     gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output),
-                     heads_grad_fusion=bool(a.heads_grad_fusion),
-                     layernorm_fusion=bool(a.layernorm_fusion))
+                     gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output))
 
 
-def gelu_gemm_fusion(a) -> bool:
-    """The MLP with the GELU in its GEMMs, for the setups whose parameters are one dtype
-    with the activations (the bf16-parameter setups and FSDP2; under autocast the MLP
-    stays unfused, and the row says so): as the flag says, or (None) as the example
-    decides, with --openai-gelu on a GPU with the CUDA extension."""
-    if a.gelu_gemm_fusion is not None:
-        return bool(a.gelu_gemm_fusion)
-    from mpzero import kernels
+# Bench-only flags that force a fused path of mpzero.tensor_parallel on or off (default:
+# the op decides, as in the example): --X-fusion / --no-X-fusion.
+FUSION_FLAGS = {"bias_gelu_fusion": "bias_gelu", "gelu_gemm_fusion": "gelu_gemm",
+                "heads_grad_fusion": "heads_grad", "layernorm_fusion": "layer_norm"}
 
-    return a.openai_gelu and not a.cpu and kernels.gemm_gelu_available()
+
+def fused_path_modes(a) -> dict[str, str]:
+    """``{op: "auto" | "on" | "off"}`` of the fusion flags (``tp.fused_paths``'s modes;
+    "on" still needs the dtypes that make the fused path the same function, so the
+    autocast setups stay unfused)."""
+    return {op: "auto" if getattr(a, flag) is None else ("on" if getattr(a, flag) else "off")
+            for flag, op in FUSION_FLAGS.items()}
+
+
+def set_fused_paths(a) -> None:
+    """Apply the fusion flags to this process (``tp.set_fused_paths``)."""
+    for op, mode in fused_path_modes(a).items():
+        tp.set_fused_paths(mode, [op])
 
 
 def run(setup: str, a) -> dict | None:
@@ -266,16 +271,15 @@ def run(setup: str, a) -> dict | None:
     return {"setup": setup, "compile": a.compile_mode if a.compile else None, "world": world,
             "attention_backend": a.attention_backend, "openai_gelu": a.openai_gelu,
             "grad_acc": a.grad_acc,
-            "gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
-            "bias_gelu_fusion": cfg.bias_gelu_fusion, "gelu_gemm_fusion": cfg.gelu_gemm_fusion,
+            "gradient_accumulation_fusion": grad_accumulation_fusion(setup, a),
+            "fused_paths": fused_path_modes(a),
             "gelu_gemm_keep_output": cfg.gelu_gemm_keep_output,
-            "heads_grad_fusion": cfg.heads_grad_fusion, "layernorm_fusion": cfg.layernorm_fusion,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "iter_ms": it_ms, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": tflops / peak if peak else None, "peak_gib": float(mem),
             "memory_kind": logging_utils.memory_kind(device),
             "step_ms": st_ms, "step_share": st_ms / it_ms, "loss_first": losses[0],
-            "loss_last": losses[-1], "parameters": w.model.num_parameters(),
+            "loss_last": losses[-1], "parameters": num_parameters(cfg),
             "iter_ms_all": iter_ms, "step_ms_all": step_ms}
 
 
@@ -304,21 +308,22 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-sync", action=argparse.BooleanOptionalAction,
                    default=True, help="dfa setups: all-gather parameters in the next forward")
     g.add_argument("--bucket-cap-mb", type=float, default=100.0)
-    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=False,
-                   help="every setup's MLP bias + GELU as one op with the bias gradient in its "
-                        "backward (the example's flag)")
+    g.add_argument("--bias-gelu-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="force every setup's MLP bias + GELU op (bias gradient in its "
+                        "backward) on or off, where its dtypes allow (None: the op decides)")
     g.add_argument("--gelu-gemm-fusion", action=argparse.BooleanOptionalAction, default=None,
-                   help="every setup's MLP with bias and GELU in its GEMMs where its dtypes "
-                        "allow (None: with --openai-gelu on a GPU with the extension)")
+                   help="force every setup's MLP with bias and GELU in its GEMMs on or off, "
+                        "where its dtypes allow (None: the op decides: --openai-gelu, bf16, "
+                        "a GPU with the extension)")
     g.add_argument("--gelu-gemm-keep-output", action=argparse.BooleanOptionalAction,
-                   default=True, help="with --gelu-gemm-fusion: save the GELU output for the "
-                   "backward (else made again there)")
-    g.add_argument("--heads-grad-fusion", action=argparse.BooleanOptionalAction, default=True,
-                   help="every setup's QKV backward in one pass with its bias gradient, where "
-                        "its dtypes allow (the example's flag)")
-    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=True,
-                   help="every setup's LayerNorms (and ln_2's residual add) one kernel each "
-                        "way, where its dtypes allow (the example's flag)")
+                   default=True, help="where the GELU runs in the GEMMs: save its output for "
+                   "the backward (else made again there)")
+    g.add_argument("--heads-grad-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="force every setup's one-pass QKV backward on or off, where its "
+                        "dtypes allow (None: the op decides)")
+    g.add_argument("--layernorm-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="force every setup's fused norms (and ln_2's residual add) on or off, "
+                        "where its dtypes allow (None: the op decides)")
     g.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction,
                    default=None, help="dfa setups: weight-gradient GEMMs add into the "
                    "optimizer's fp32 buffer (None: when --grad-acc > 1, as the example)")
@@ -342,6 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    set_fused_paths(a)
     out = run(a.setup, a)
     if out is not None:
         Path(a.result).write_text(json.dumps(out))

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(k, v)
     dist.init_process_group("nccl", device_id=device)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    worker.set_fused_paths(a)
     cfg = worker.model_config(a, a.setup)
     w = worker.build(a.setup, cfg, device, a)
     data = torch.randint(cfg.vocab_size, (a.grad_acc, a.micro_batch_size, cfg.seq_length + 1),

@@ -1,34 +1,19 @@
-"""Checkpoints of the GPT example: atomic, checksummed, one model shard per TP rank.
+"""Checkpoints of the GPT example: atomic, checksummed, all or nothing.
 
-Layout of ``--save DIR``::
-
-    DIR/latest                       "iter_0000100"       written last (atomic; a hint only)
-    DIR/iter_0000100/
-        dcp/                         --ckpt-format torch_dist (default): every rank's model
-                                     and optimizer shards (mpzero.checkpoint.dcp)
-        model_tp00.pt, model_tp01.pt --ckpt-format torch: one per TP rank:
-                                     {"model", "partition_dims", "optimizer"}
-        rng_rank00000.pt, ...        one per global rank: CPU/CUDA generators, TP RNG tracker
-        manifest.json                iteration, args, data position, grid, sha256 of each file
-
-``torch_dist`` loads at any TP size and distributed x redundant grid (model and
-optimizer state, :mod:`mpzero.checkpoint.dcp`). In ``torch``, the model shards are
-written by the first data-parallel rank of each TP rank (the data-parallel replicas
-hold the same shard), beside DistributedFusedAdam's format-2 ``state_dict()`` (the
-same on every rank of the data-parallel group): it loads at any distributed x
-redundant grid, at the TP size of the save only. Every file goes to a temporary name
-in the same directory, is fsynced and ``os.replace``d into place; ``manifest.json``
-(with the checksums) comes after all files, ``latest`` after the manifest. A crash
-mid-save leaves ``latest`` on the previous checkpoint; a corrupted file, or one that
-would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused on
-load. Resuming picks the newest checkpoint that verifies on every rank
-(:func:`find_loadable_checkpoint`) and stops at one made for another run
-(:class:`CheckpointMismatch`); see docs/reliability.md.
+``--save DIR`` holds ``iter_0000100/`` directories (layout: docs/checkpoints.md) with
+the model and optimizer (``--ckpt-format torch_dist``, the default: every rank's shards
+through :mod:`mpzero.checkpoint.dcp`, loadable at any TP size and optimizer grid;
+``torch``: one format-2 file per TP rank, loadable at its TP size), every rank's RNG
+states and ``manifest.json`` (iteration, the run's configuration, data position, grid,
+sha256 of each file), and ``latest``. Every file goes to a temporary name, is fsynced
+and ``os.replace``d; the manifest comes after all files, ``latest`` after it, so a crash
+mid-save leaves the previous checkpoint the newest. On load a corrupted file, or one
+that would run code when unpickled (:mod:`mpzero.checkpoint.safe_load`), is refused;
+checkpoint_choice.py picks which checkpoint to load (docs/reliability.md).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +27,7 @@ from mpzero import comm, parallel_state
 from mpzero import tensor_parallel as tp
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.checkpoint import safe_load
+from mpzero.checkpoint.safe_load import sha256_file
 
 FORMAT = "mpzero-gpt-checkpoint-1"
 DCP_DIR = "dcp"
@@ -59,7 +45,7 @@ class NonFiniteWeights(CheckpointError):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _ranks() -> dict[str, int]:
+def ranks() -> dict[str, int]:
     """Rank coordinates; a single process without parallel_state is rank 0 of everything."""
     if parallel_state.model_parallel_is_initialized():
         return {"rank": dist.get_rank(), "world": dist.get_world_size(),
@@ -70,16 +56,8 @@ def _ranks() -> dict[str, int]:
     return {"rank": 0, "world": 1, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1}
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -101,11 +79,13 @@ def _failed_write(tmp: Path, path: Path, e: BaseException) -> None:
         e.filename = str(path)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, write) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsync it, rename it to ``path``
+    and fsync the directory: a crash leaves the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -113,23 +93,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         _failed_write(tmp, path, e)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, atomically (:func:`_atomic_write`)."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_torch_save(obj, path: Path) -> str:
-    """``torch.save`` to a temp file in the same dir, fsync, rename; returns its sha256."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        _failed_write(tmp, path, e)
-        raise
-    _fsync_dir(path.parent)
-    return digest
+    """``torch.save(obj)`` into ``path``, atomically; returns the file's sha256."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+    return sha256_file(path)
 
 
 def iteration_dir(save_dir: str | Path, iteration: int) -> Path:
@@ -202,7 +176,7 @@ def check_finite(model: torch.nn.Module, iteration: int | None = None) -> None:
         finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu()
         bad = [n for (n, _), ok in zip(named, finite.tolist()) if not ok]
     reports = [(len(bad), bad[:3])]
-    if _distributed() and dist.get_world_size() > 1:
+    if distributed() and dist.get_world_size() > 1:
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, (len(bad), bad[:3]))
     found = [(rank, n, names) for rank, (n, names) in enumerate(reports) if n]
@@ -236,12 +210,12 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
     DistributedFusedAdam; others fall back to "torch"): every rank writes only its model
     and optimizer shards through torch.distributed.checkpoint, loadable at any TP size
     and optimizer grid. ``"torch"``: one file per TP rank with the format-2 state."""
-    r = _ranks()
+    r = ranks()
     t0 = time.perf_counter()
     out = iteration_dir(save_dir, iteration)
     if ckpt_format not in ("torch", "torch_dist"):
         raise ValueError(f"ckpt_format must be 'torch' or 'torch_dist', got {ckpt_format!r}")
-    if ckpt_format == "torch_dist" and not (_distributed()
+    if ckpt_format == "torch_dist" and not (distributed()
                                             and hasattr(optimizer, "sharded_state_dict")):
         ckpt_format = "torch"
     if hasattr(optimizer, "param_sync"):
@@ -252,7 +226,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
     # (resume picks the newest that verifies, and a NaN checkpoint verifies).
     check_finite(model, iteration)
     out.mkdir(parents=True, exist_ok=True)
-    if _distributed():
+    if distributed():
         dist.barrier()  # the directory exists for everyone (shared file systems lag)
     written: dict[str, str] = {}
     if ckpt_format == "torch_dist":
@@ -274,7 +248,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
         written[name] = atomic_torch_save(rng_state(), out / name)
     except OSError as e:
         failure = e
-    if _distributed():
+    if distributed():
         gathered: list = [None] * r["world"]
         dist.all_gather_object(gathered, (written, failure))
     else:
@@ -292,7 +266,7 @@ def save_checkpoint(save_dir: str | Path, iteration: int, model: torch.nn.Module
             atomic_write_bytes(Path(save_dir) / "latest", out.name.encode())
         except OSError as e:
             failure = e
-    if _distributed():  # also the barrier: the save is complete for everyone after it
+    if distributed():  # also the barrier: the save is complete for everyone after it
         box = [failure if r["rank"] == 0 else None]
         dist.broadcast_object_list(box, src=0)
         _raise_first_failure(out, box)
@@ -348,16 +322,13 @@ def verified_load(ckpt_dir: str | Path, name: str, manifest: dict):
         raise CheckpointError(str(e)) from None
 
 
-SKIP, REFUSE = 1, 2  # what a checkpoint that cannot be loaded makes the search do
-
-
 class CheckpointMismatch(CheckpointError):
     """A sound checkpoint that does not fit this run (another TP size in the torch
     format, another model or optimizer): the run stops rather than resume from an older
     checkpoint that happens to fit, which would silently lose the newer progress."""
 
 
-def _tp_mismatch(ckpt: Path, manifest: dict, r: dict) -> str | None:
+def tp_mismatch(ckpt: Path, manifest: dict, r: dict) -> str | None:
     saved = manifest.get("tensor_model_parallel_size")
     if manifest.get("ckpt_format") == "torch_dist" or saved == r["tp_size"]:
         return None
@@ -368,144 +339,12 @@ def _tp_mismatch(ckpt: Path, manifest: dict, r: dict) -> str | None:
             "sharded format, which loads at any TP size)")
 
 
-def _verify_local(ckpt: Path, r: dict) -> tuple[int, str] | None:
-    """``(SKIP or REFUSE, why)`` when this rank cannot load ``ckpt``; None when it can.
-
-    Checks the files this rank reads: their checksums, and that each unpickles as plain
-    data (``torch.load(weights_only=True)``, tensors mapped, not read; DCP's metadata
-    through the restricted unpickler). Rank 0 also checks that every file of the
-    manifest exists. A damaged or refused file: SKIP (the search goes on to an older
-    checkpoint); a sound checkpoint saved for another TP size in the torch format:
-    REFUSE (the search stops)."""
-    try:
-        manifest = read_manifest(ckpt)
-        mismatch = _tp_mismatch(ckpt, manifest, r)
-        if mismatch:
-            return REFUSE, mismatch
-        if manifest.get("ckpt_format") == "torch_dist":  # every rank reads any file:
-            names = [n for k, n in enumerate(sorted(manifest["files"]))  # split the checks
-                     if n.startswith(DCP_DIR + "/") and k % r["world"] == r["rank"]]
-        else:
-            names = [f"model_tp{r['tp_rank']:02d}.pt"]
-        rng = f"rng_rank{r['rank']:05d}.pt"
-        if _restores_rng(manifest, r) and rng in manifest["files"]:
-            names.append(rng)
-        for name in names:
-            path = ckpt / name
-            expected = manifest["files"].get(name)
-            if expected is None:
-                return SKIP, f"{name} is not listed in {ckpt}/manifest.json (incomplete save)"
-            if not path.exists():
-                return SKIP, f"{path} is missing"
-            if sha256_file(path) != expected:
-                return SKIP, f"checksum mismatch for {path} (truncated, corrupted or half-written)"
-            if name.endswith(".pt"):
-                # The manifest is not signed: a replaced file comes with its checksum.
-                # Unpickling it with weights_only (tensors mapped, not read) tells a
-                # file that would run code from data before anything is loaded.
-                safe_load.torch_load(path, mmap=True)
-        if manifest.get("ckpt_format") == "torch_dist":  # DCP's metadata, read safely
-            safe_load.read_dcp_metadata(ckpt / DCP_DIR / ".metadata")
-        if r["rank"] == 0:
-            for name in manifest["files"]:
-                if not (ckpt / name).exists():
-                    return SKIP, f"{ckpt / name} is missing (listed in the manifest)"
-    except (CheckpointError, safe_load.UnsafeCheckpointError) as e:
-        return SKIP, str(e)
-    except (OSError, RuntimeError, KeyError, TypeError, AttributeError) as e:
-        return SKIP, f"{ckpt}: unreadable ({e!r})"
-    return None
-
-
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where a flag tensor for a collective of the default group must live (NCCL: the
     current GPU; gloo: the CPU)."""
-    if _distributed() and dist.get_backend() == "nccl":
+    if distributed() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _decide(ckpt: Path, r: dict) -> tuple[int, list[str]]:
-    """Collective: ``(0, [])`` when ``ckpt`` loads on every rank, else the worst verdict
-    of any rank (SKIP or REFUSE) and the ranks' reasons (each once, prefixed with the
-    ranks that gave it when there are several ranks). Each rank prints its own reason;
-    rank 0 prints all of them."""
-    mine = _verify_local(ckpt, r)
-    code = torch.tensor([mine[0] if mine else 0], device=_collective_device())
-    if _distributed():
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)
-    verdict = int(code.item())
-    if not verdict:
-        return 0, []
-    if _distributed():  # the ranks' reasons (strings from our own processes)
-        whys: list = [None] * dist.get_world_size()
-        dist.all_gather_object(whys, mine[1] if mine else None)
-    else:
-        whys = [mine[1] if mine else None]
-    by_reason: dict[str, list[int]] = {}
-    for k, w in enumerate(whys):
-        if w:
-            by_reason.setdefault(w, []).append(k)
-    reasons = [w if len(whys) == 1 else
-               f"rank{'s' if len(ks) > 1 else ''} {','.join(map(str, ks))}: {w}"
-               for w, ks in by_reason.items()]
-    if mine:
-        print(f"rank {r['rank']}: {'refusing' if mine[0] == REFUSE else 'skipping'} "
-              f"checkpoint {ckpt}: {mine[1]}", flush=True)
-    if r["rank"] == 0 and not mine:
-        print(f"skipping checkpoint {ckpt}: it does not verify on every rank: "
-              + "; ".join(reasons), flush=True)
-    elif r["rank"] == 0 and len(reasons) > 1:
-        print(f"  (checkpoint {ckpt}, all ranks: {'; '.join(reasons)})", flush=True)
-    return verdict, reasons
-
-
-def choose_checkpoint(load_dir: str | Path, iteration: int | None = None) -> Path | None:
-    """The checkpoint to resume from (collective: every rank gets the same answer).
-
-    Without ``iteration``: the newest ``iter_*`` directory that verifies on every rank
-    (:func:`find_loadable_checkpoint`). With it: that iteration, which must verify.
-    None when ``load_dir`` holds no checkpoint (or does not exist)."""
-    if iteration is None:
-        return find_loadable_checkpoint(load_dir)
-    ckpt = iteration_dir(load_dir, iteration)
-    verdict, reasons = _decide(ckpt, _ranks())
-    if verdict == REFUSE:
-        raise CheckpointMismatch("; ".join(reasons))
-    if verdict:
-        raise CheckpointError(f"--load-iteration {iteration}: {ckpt} cannot be loaded: "
-                              + "; ".join(reasons))
-    return ckpt
-
-
-def find_loadable_checkpoint(load_dir: str | Path) -> Path | None:
-    """The newest checkpoint of ``load_dir`` that verifies on EVERY rank (collective:
-    every rank gets the same answer). Damaged ones are reported with their path and the
-    reason (rank 0 prints every rank's) and skipped. A sound one that does not fit this
-    run (the torch format at another TP size) stops the search: a
-    :class:`CheckpointMismatch` on every rank, rather than an older checkpoint that
-    happens to fit. None when ``load_dir`` has no checkpoint at all; a
-    :class:`CheckpointError` on every rank when there are checkpoints but none
-    verifies everywhere."""
-    r = _ranks()
-    candidates = list_checkpoints(load_dir)
-    if _distributed():  # every rank walks the same list (rank 0's view of the directory)
-        box = [[str(c) for c in candidates]]
-        dist.broadcast_object_list(box, src=0)
-        candidates = [Path(c) for c in box[0]]
-    reasons = []
-    for ckpt in candidates:
-        verdict, why = _decide(ckpt, r)
-        if not verdict:
-            return ckpt
-        if verdict == REFUSE:
-            raise CheckpointMismatch("; ".join(why) + " (not reaching past it to an older "
-                                     "checkpoint)")
-        reasons.append(f"{ckpt}: {'; '.join(why)}")
-    if candidates:
-        raise CheckpointError(f"no checkpoint in {load_dir} verifies on every rank: "
-                              + "; ".join(reasons))
-    return None
 
 
 def _check_model_state(ckpt: Path, model: torch.nn.Module, saved: dict) -> None:
@@ -552,22 +391,18 @@ def _check_optimizer_state(ckpt: Path, optimizer, sd) -> None:
 def _agree_or_raise(error: BaseException | None) -> None:
     """Every rank raises the same :class:`CheckpointError` when any rank passes one
     (collective over the world), before anything is loaded anywhere."""
-    group = dist.group.WORLD if _distributed() else None
+    group = dist.group.WORLD if distributed() else None
     try:
-        comm.agree(error, group, _collective_device())
+        comm.agree(error, group, collective_device())
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
 
-def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None,
-                    *, iteration: int | None = None, load_rng: bool = True,
-                    ckpt: str | Path | None = None) -> dict | None:
-    """Load model (this TP rank's shard), optimizer and RNG; returns the manifest.
-
-    ``ckpt``: the checkpoint directory :func:`choose_checkpoint` returned (then
-    ``load_dir`` and ``iteration`` are not looked at); without it, that choice is made
-    here. Returns None when ``load_dir`` holds no checkpoint. Every rank must call it
-    (the choice and the load are collective).
+def load_checkpoint(ckpt: str | Path, model: torch.nn.Module, optimizer=None, *,
+                    load_rng: bool = True) -> dict:
+    """Load model (this TP rank's shard), optimizer and RNG from the checkpoint
+    directory ``ckpt`` (``checkpoint_choice.choose_checkpoint`` picks it); returns the
+    manifest. Every rank must call it (the load is collective).
 
     All or nothing over the world: every rank reads and checks what it needs first, the
     ranks agree, and only then is anything copied into the model or optimizer. A
@@ -576,13 +411,9 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
     ``torch_dist`` checkpoints load at any TP size and optimizer grid; the RNG states
     are restored when the world and TP sizes are those of the save."""
     t0 = time.perf_counter()
-    if ckpt is None:
-        ckpt = choose_checkpoint(load_dir, iteration)
-    if ckpt is None:
-        return None
     ckpt = Path(ckpt)
     manifest = read_manifest(ckpt)
-    r = _ranks()
+    r = ranks()
     if manifest.get("ckpt_format") == "torch_dist":
         try:
             mdcp.load_sharded(ckpt / DCP_DIR, model, optimizer, tp_group=_tp_group())
@@ -591,7 +422,7 @@ def load_checkpoint(load_dir: str | Path, model: torch.nn.Module, optimizer=None
     else:
         shard, error = None, None
         try:
-            mismatch = _tp_mismatch(ckpt, manifest, r)
+            mismatch = tp_mismatch(ckpt, manifest, r)
             if mismatch:
                 raise CheckpointMismatch(mismatch)
             shard = verified_load(ckpt, f"model_tp{r['tp_rank']:02d}.pt", manifest)
@@ -620,46 +451,13 @@ def _restores_rng(manifest: dict, r: dict) -> bool:
             and manifest.get("tensor_model_parallel_size", r["tp_size"]) == r["tp_size"])
 
 
-def restores_rng(manifest: dict) -> bool:
-    """Whether loading the checkpoint of ``manifest`` restores this rank's RNG states."""
-    return _restores_rng(manifest, _ranks())
+def restores_rng(manifest: dict, r: dict | None = None) -> bool:
+    """Whether loading the checkpoint of ``manifest`` restores this rank's (or the rank
+    ``r``'s, :func:`ranks`) RNG states."""
+    return _restores_rng(manifest, ranks() if r is None else r)
 
 
 def _load_rng(ckpt: Path, manifest: dict, r: dict, load_rng: bool) -> None:
     rng_name = f"rng_rank{r['rank']:05d}.pt"
     if load_rng and _restores_rng(manifest, r) and rng_name in manifest["files"]:
         set_rng_state(verified_load(ckpt, rng_name, manifest))
-
-
-def verify_all(ckpt_dir: str | Path) -> list[str]:
-    """Problems of a checkpoint (every file's checksum, in one process); [] when sound."""
-    try:
-        manifest = read_manifest(ckpt_dir)
-    except CheckpointError as e:
-        return [str(e)]
-    problems = []
-    for name, digest in manifest["files"].items():
-        path = Path(ckpt_dir) / name
-        if not path.exists():
-            problems.append(f"{path} is missing")
-        elif sha256_file(path) != digest:
-            problems.append(f"checksum mismatch for {path}")
-    return problems
-
-
-def merge_tensor_parallel_shards(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The full (TP=1) model state dict of a checkpoint, every file verified."""
-    manifest = read_manifest(ckpt_dir)
-    if manifest.get("ckpt_format") == "torch_dist":
-        problems = verify_all(ckpt_dir)
-        if problems:
-            raise CheckpointError("; ".join(problems))
-        return mdcp.consolidate(Path(ckpt_dir) / DCP_DIR, optimizer=False)["model"]
-    shards = [verified_load(ckpt_dir, f"model_tp{t:02d}.pt", manifest)
-              for t in range(manifest["tensor_model_parallel_size"])]
-    dims = shards[0]["partition_dims"]
-    full = {}
-    for key, value in shards[0]["model"].items():
-        dim = dims.get(key)
-        full[key] = value if dim is None else torch.cat([s["model"][key] for s in shards], dim)
-    return full

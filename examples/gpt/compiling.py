@@ -1,29 +1,13 @@
 """``--compile``: torch.compile of the transformer blocks (default) or of the whole model.
 
-- ``--compile-mode block`` (the default, as torchtitan does per block): each
-  ``Block``'s ``forward`` is compiled, and the loss (``GPT.cross_entropy``: the
-  vocab-parallel cross entropy and its mean, no module inside). All blocks have the
-  same code and shapes, so one compilation serves every layer (dynamo recompiles at
-  most once per distinct guard set); the embeddings, the final norm and the output
-  layer stay eager. Eager, the cross entropy's chunk loop costs about 15 ms per
-  iteration at the 1.3B shape on an H200 (vocab 50304, 16k tokens: 25 chunks of ten
-  kernels each); compiled, inductor fuses each chunk's max, exp, sums and gradient
-  (measured inside ``--compile-mode model``: about 5 ms; see docs/performance.md).
-- ``--compile-mode model``: the GPT's ``forward`` as a whole; TP collectives and
-  the cross entropy's chunk loop are graph breaks where dynamo cannot trace them.
-
-Only the ``forward`` methods are replaced (an instance attribute), not the modules:
-the state-dict keys stay the same (no ``_orig_mod.`` prefix, so checkpoints move
-freely between compiled and eager runs), and the module's own hooks run eagerly
-around the compiled code. So the optimizer's forward pre-hooks of
-``--overlap-param-sync`` go on the compiled modules themselves
-(``DistributedFusedAdam.attach(unit, unit=True)``, one hook gathering the whole block),
-never inside them: there every distinct hook would make dynamo recompile (24 blocks
-exceed its recompile limit and the blocks fall back to eager). DistributedFusedAdam's
-per-parameter post-accumulate-grad hooks are unaffected: the parameters stay leaves of
-the eager autograd graph, whose AccumulateGrad nodes fire the hooks after each compiled
-backward region.
-The optimizer step is not compiled.
+``--compile-mode block`` (torchtitan's way) compiles each ``Block``'s ``forward`` (one
+graph serves every layer: same code and shapes) and the loss (``GPT.cross_entropy``);
+``--compile-mode model`` the GPT's whole ``forward``. Only the ``forward`` methods are
+replaced, not the modules: state-dict keys stay the same (checkpoints move between
+compiled and eager runs) and module hooks run eagerly around the compiled code, so
+``--overlap-param-sync``'s forward pre-hooks go on the compiled modules
+(``DistributedFusedAdam.attach(unit, unit=True)``), never inside them (every distinct
+hook inside would make dynamo recompile, and 24 blocks exceed its recompile limit).
 """
 
 from __future__ import annotations

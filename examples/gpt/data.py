@@ -1,49 +1,20 @@
 """Data for the GPT example: tokenize a corpus once, then sample sequences from a memmap.
 
-Preparation (once; a second run with the same configuration is a no-op)::
-
-    python examples/gpt/data.py --output DIR                       # the default corpus
-    python examples/gpt/data.py --input a.txt docs/ b.jsonl --output DIR
-
-The default corpus is real text every machine has without a download: the
-``.py`` sources of the Python standard library (sysconfig's ``stdlib`` path,
-tests and site-packages left out), read in sorted order up to ``--max-mb``.
-Inputs may be text files, directories (searched for .txt/.md/.py/.jsonl) or
-JSONL files with a ``"text"`` field per line; each file or JSONL record is one
-document, and documents are separated by an end-of-text token. A
-deterministic, seeded ``--val-fraction`` of the documents is held out.
-
-``DIR`` then holds ``train.bin`` / ``val.bin`` (the token ids, uint16 when the
-vocabulary fits, else uint32; read as ``np.memmap``), ``tokenizer.json`` (a
-byte-level BPE trained with the ``tokenizers`` library, or none with
-``--tokenizer bytes``: ids are the UTF-8 bytes) and ``meta.json``, written last,
-with the configuration, its hash (the cache key), token counts, document
-offsets files and the files' checksums.
-
-Megatron's indexed format (``PREFIX.bin`` + ``PREFIX.idx``, "MMIDIDX") is read
-and written too: ``--output-prefix PREFIX [--tokenizer-file tokenizer.json]``
-writes the pair (all documents, in order; training splits them by ``--split``),
-and pretrain_gpt.py trains from one with ``--data-path PREFIX``, also from pairs
-made by Megatron's ``tools/preprocess_data.py``.
-
-Sampling: :class:`GlobalBatchSampler` draws the *global* batch from one seeded
-stream (per epoch: a random offset and a permutation of the non-overlapping
-``seq_length + 1``-token windows), identically on every rank; data-parallel rank
-``r`` takes the ``r``-th slice. So the sequences of an iteration do not depend on
-the parallel layout, and the sampler position (epoch, index) is all a
-checkpoint needs to resume the stream.
-
-Where the code lives: :mod:`corpus` (documents, configuration, cache key),
-:mod:`tokenizing` (byte and BPE tokenizers), :mod:`sampling` (global-batch
-sampler, batches), :mod:`indexed_dataset` (the MMIDIDX pair); this module
-prepares and reads the data directory, holds the CLI and re-exports the names
-the example and its tests use (``import data``).
+``python -m examples.gpt.data --output DIR [--input a.txt docs/ b.jsonl]`` tokenizes the
+default corpus (the Python standard library's sources: real text with no download) or
+the inputs into ``DIR``: ``train.bin`` / ``val.bin`` (token ids, read as ``np.memmap``),
+``tokenizer.json`` and ``meta.json`` (written last: configuration, its hash as the cache
+key, counts, checksums); ``--output-prefix PREFIX`` writes Megatron's indexed pair
+instead, which training reads with ``--data-path PREFIX`` (README "Data"). The other
+modules: :mod:`corpus` (documents, configuration, cache key), :mod:`tokenizing`,
+:mod:`sampling` (the global-batch sampler: the same sequences whatever the parallel
+layout), :mod:`indexed_dataset`; this module re-exports what the example and its tests
+use.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -51,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+
+from mpzero.checkpoint.safe_load import sha256_file
 
 from .checkpointing import atomic_write_bytes
 from .corpus import (
@@ -91,14 +64,6 @@ DEFAULT_CACHE = Path(os.environ.get("MPZERO_DATA_CACHE",
 
 
 # ----------------------------------------------------------------------------- prepare
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_meta(data_dir: str | Path) -> dict:
@@ -166,7 +131,7 @@ def prepare(cfg: CorpusConfig, output: str | Path, *, force: bool = False,
         meta["splits"][name] = {"file": f"{name}.bin", "tokens": int(tokens.size),
                                 "documents": len(texts),
                                 "doc_offsets": f"{name}_doc_offsets.npy",
-                                "sha256": _sha256(out / f"{name}.bin")}
+                                "sha256": sha256_file(out / f"{name}.bin")}
     atomic_write_bytes(out / "meta.json", json.dumps(meta, indent=1).encode())
     if not quiet:
         s = meta["splits"]
@@ -210,28 +175,79 @@ def check_vocabulary(tokens: np.ndarray, vocab_size: int, what: str) -> None:
                          f"vocabulary of {vocab_size} (wrong --tokenizer-file or data?)")
 
 
+def _prepared_dir(d, rank: int) -> Path:
+    """The data directory, prepared (by global rank 0) from the default corpus if needed;
+    every rank waits for it."""
+    import torch.distributed as dist
+
+    cfg = CorpusConfig(vocab_size=d.vocab_size, max_mb=d.data_max_mb)
+    data_dir = Path(d.data_dir) if d.data_dir else default_data_dir(cfg)
+    ready = is_prepared(data_dir) if d.data_dir else is_prepared(data_dir, cfg)
+    if not ready and rank == 0:
+        prepare(cfg, data_dir)
+    dist.barrier()
+    return data_dir
+
+
+def load_splits(d, rank: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Train and validation token streams and the vocabulary size of a run's data
+    section (``config.DataConfig``).
+
+    ``--data-path``: a Megatron indexed dataset split by ``--split``; else the
+    prepared memmap directory. ``--tokenizer-file`` sets the vocabulary; token ids
+    that do not fit it (or, without one, the prepared vocabulary) are an error.
+    """
+    if d.data_path:
+        train, val = load_indexed_splits(d.data_path, d.split)
+        vocab = None
+    else:
+        data_dir = _prepared_dir(d, rank)
+        train, val = load_tokens(data_dir, "train"), load_tokens(data_dir, "val")
+        vocab = read_meta(data_dir)["vocab_size"]
+    if d.tokenizer_file:
+        vocab = tokenizer_from_file(d.tokenizer_file).vocab_size
+    if vocab is not None:
+        for name, tokens in (("training", train), ("validation", val)):
+            check_vocabulary(tokens, vocab, f"{name} data of "
+                             f"{d.data_path or d.data_dir or 'the default corpus'}")
+    else:  # an indexed dataset without a tokenizer: the ids it holds
+        vocab = int(max(np.max(train), np.max(val))) + 1
+    return train, val, vocab
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m examples.gpt.data``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="*", default=[],
                    help="text files, directories or JSONL files (default: Python stdlib)")
     p.add_argument("--output", default=None,
                    help=f"output directory (default: under {DEFAULT_CACHE})")
-    p.add_argument("--max-mb", type=float, default=CorpusConfig.max_mb)
-    p.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
-    p.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size)
-    p.add_argument("--val-fraction", type=float, default=CorpusConfig.val_fraction)
-    p.add_argument("--seed", type=int, default=CorpusConfig.seed)
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--max-mb", type=float, default=CorpusConfig.max_mb,
+                   help="MiB of input text to read at most")
+    p.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe",
+                   help="byte-level BPE trained on the training documents, or raw bytes")
+    p.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size,
+                   help="the BPE vocabulary")
+    p.add_argument("--val-fraction", type=float, default=CorpusConfig.val_fraction,
+                   help="share of the documents held out for validation")
+    p.add_argument("--seed", type=int, default=CorpusConfig.seed,
+                   help="seed of the held-out choice")
+    p.add_argument("--json-key", default="text", help="the text field of JSONL records")
     p.add_argument("--force", action="store_true", help="prepare even when cached")
     p.add_argument("--output-prefix", default=None,
                    help="write Megatron's indexed pair PREFIX.bin/PREFIX.idx instead "
                         "(train with --data-path PREFIX)")
     p.add_argument("--tokenizer-file", default=None,
                    help="with --output-prefix: tokenize with this tokenizers JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     a = p.parse_args(argv)
     cfg = CorpusConfig(inputs=list(a.input), max_mb=a.max_mb, tokenizer=a.tokenizer,
                        vocab_size=a.vocab_size, val_fraction=a.val_fraction, seed=a.seed,

@@ -1,21 +1,10 @@
-"""Faults of a long run, decided collectively so every rank does the same thing.
-
-- Pre-emption: SIGTERM, SIGINT (Ctrl-C) or SIGUSR1 (SLURM, see slurm/pretrain_gpt.sbatch)
-  sets a flag; at the end of the current iteration the ranks agree (one MAX all-reduce)
-  to save and exit 0. A second SIGINT aborts at once, without saving.
-  ``--exit-duration-in-mins`` goes through the same flag.
-- Non-finite loss or gradient norm (``--check-for-nan-in-loss-and-grad``): the step
-  is skipped on every rank (no update), with a message naming the iteration; after
-  ``--max-consecutive-skipped-iters`` skips in a row the run stops with an error.
-- A collective that fails (a rank died, or ``--dist-timeout`` passed) ends the rank
-  with exit status 1 and a message naming the cause (see :func:`run_guarded`).
-- Saving: ``--save`` is checked on every rank at start-up (:func:`check_save_dir`); a
-  save that fails says why in words (:func:`save_failed`: "no space left on device"
-  and the directory, a file-size limit, a read-only file system...).
-
-The flags of one iteration travel in a single small all-reduce over the world.
-(The tests make losses NaN with tests/examples/gpt_nan_injection.py, which wraps this
-example from outside.)
+"""Faults of a long run, decided collectively so every rank does the same thing
+(docs/reliability.md): a pre-emption signal (SIGTERM, SIGINT, SIGUSR1) or
+``--exit-duration-in-mins`` saves and exits 0 at the end of the iteration (a second
+SIGINT stops at once); a non-finite loss or grad norm skips the step on every rank (too
+many in a row stop the run); a failed collective ends every rank with status 1 and the
+cause (:func:`run_guarded`); ``--save`` is checked at start-up and a failed save says
+why in words. One iteration's flags travel in one small all-reduce over the world.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Training logs of pretrain_gpt.py: console lines, a progress bar, JSONL and TensorBoard.
+"""Training logs of the GPT example: console lines, a progress bar, JSONL and TensorBoard.
 
-One :class:`TrainLogger` per run (every rank builds one; only global rank 0 writes).
-Every ``--log-interval`` iterations it prints one line, in the manner of Megatron-LM
-and torchtitan::
-
-    iter   40/300 | samples 1,280 | tokens 81,920 | loss 5.1234 | lr 2.000e-03 |
-    grad norm 0.812 | 412.3 ms/iter | 4,967 tok/s | 0.0021 TFLOP/s/dev | MFU - |
-    peak mem 0.41 GiB
-
-(on one line). On a terminal a tqdm progress bar stays at the bottom and the metric
-lines are written above it (``tqdm.write``); when the output is not a terminal (a
-file, SLURM's ``-o``, CI) or with ``--no-progress`` there is no bar, only the plain
-lines. The JSONL log (``--log-file``) keeps every field of every record, and
-``--tensorboard-dir`` writes the same scalars with ``torch.utils.tensorboard``.
-
-The module is named ``logging_utils`` so that it does not shadow the standard
-library's :mod:`logging`.
+One :class:`TrainLogger` per run (every rank builds one; only global rank 0 writes):
+every ``--log-interval`` iterations one line in the manner of Megatron-LM and
+torchtitan (``iter 40/300 | samples ... | loss ... | MFU ... | peak mem ...``), above a
+tqdm bar on a terminal (none in files, SLURM logs, CI or with ``--no-progress``); the
+JSONL log (``--log-file``) keeps every field, ``--tensorboard-dir`` the same scalars.
+Also the model's size and FLOPs per token for the MFU column. (Named so as not to
+shadow the standard library's :mod:`logging`.)
 """
 
 from __future__ import annotations
@@ -26,6 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from .model import GPTConfig
 
 # Dense bf16 peak per GPU (TFLOP/s) for the MFU column; None elsewhere (CPU, unknown GPU).
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -47,11 +40,12 @@ TENSORBOARD_TAGS = {
 }
 
 
-def peak_tflops(args, device: torch.device) -> float | None:
-    """``--peak-tflops``, or the bf16 peak of a known GPU; None when unknown (no MFU)."""
-    if args.peak_tflops is not None:
-        return args.peak_tflops
-    if device.type != "cuda" or not (args.bf16 or getattr(args, "autocast_bf16", False)):
+def peak_tflops(given: float | None, bf16: bool, device: torch.device) -> float | None:
+    """``--peak-tflops`` (``given``), or the bf16 peak of a known GPU when computing in
+    bf16; None when unknown (no MFU)."""
+    if given is not None:
+        return given
+    if device.type != "cuda" or not bf16:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
@@ -234,3 +228,40 @@ class TrainLogger:
 def is_tty() -> bool:
     """Whether stderr (where the bar goes) is a terminal; ``TERM=dumb`` counts as not."""
     return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+# ----------------------------------------------------------------------------- model size
+
+
+def num_parameters(cfg: GPTConfig) -> int:
+    """Parameters of the full (unsharded, unsplit) model of ``cfg``."""
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    b = 1 if cfg.linear_bias else 0
+    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+    fc = 2 * f if cfg.swiglu else f
+    norm = h * (2 if cfg.bias and cfg.normalization == "LayerNorm" else 1)
+    per_layer = (h * qkv + qkv * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
+    per_layer += 2 * norm
+    total = L * per_layer + V * h + norm
+    if cfg.position_embedding_type == "learned_absolute":
+        total += cfg.seq_length * h
+    if cfg.untie_embeddings_and_output_weights:
+        total += V * h
+    return total
+
+
+def flops_per_token(cfg: GPTConfig, seq_length: int | None = None) -> float:
+    """Training FLOPs (forward + backward = 3x forward) per token of the full model.
+
+    Matmuls only, 2 FLOPs per multiply-add: per layer QKV ``2h(h + 2*G*hd)`` (``6h^2``
+    for multi-head), projection ``2h^2``, MLP ``4hf`` (``6hf`` with SwiGLU), attention
+    scores and values ``4sh`` (counted without the causal half, as Megatron and PaLM
+    do); the output layer ``2hV``. Recomputation is not counted (model FLOPs).
+    Equals ``6 * N_matmul + 12 * L * s * h``.
+    """
+    s = cfg.seq_length if seq_length is None else seq_length
+    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
+    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
+    mlp = 3 * h * f if cfg.swiglu else 2 * h * f
+    forward = L * (2 * h * qkv + 2 * h * h + 2 * mlp + 4 * s * h) + 2 * h * V
+    return 3.0 * forward

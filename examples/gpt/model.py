@@ -1,35 +1,20 @@
 """A nanoGPT-sized GPT built from mpzero's tensor-parallel layers.
 
-Pre-LN transformer: ``x + attn(ln(x))``, ``x + mlp(ln(x))``, a final LayerNorm and
-an output layer tied to the input embedding. Tensor parallelism (TP) splits:
-
-- the attention heads: the fused QKV projection is a ``ColumnParallelLinear``
-  (each rank computes ``heads/tp`` heads), the output projection a
-  ``RowParallelLinear`` that sums the ranks' partial products;
-- the MLP hidden features: ``ColumnParallelLinear`` -> GELU -> ``RowParallelLinear``;
-- the vocabulary: a ``VocabParallelEmbedding``; the logits are computed against
-  this rank's rows of the same table (``[B, T, V/tp]``) and the loss by
-  ``vocab_parallel_cross_entropy``, so the full ``[B, T, V]`` is never formed.
-
-Everything else (LayerNorms, position embedding, row-parallel biases) is
-replicated on the TP ranks. The full weights are drawn from the default RNG
-on every rank and each rank keeps its slice, so models built from one seed at
-TP=1 and TP=2 hold the same weights and compute the same loss.
-
-Megatron's everyday options are GPTConfig fields (flags of pretrain_gpt.py):
-sequence parallelism (norms, dropout and residual on ``T/tp`` tokens per rank),
-activation recompute (``full`` blocks or the ``selective`` attention core, via
-``tp.checkpoint``), RoPE, RMSNorm, SwiGLU, grouped-query attention, an untied
-output layer and linear layers without bias. Each is TP-equal like the default.
-
-QKV layout: the output features of the fused QKV projection are ordered
-head-major, ``[head][q|k|v][head_dim]`` (Megatron's layout), so that the
-contiguous block a TP rank owns holds whole heads with their q, k and v.
+Pre-LN transformer, ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, a final norm and an
+output layer tied to the input embedding. Tensor parallelism (TP) splits the attention
+heads (QKV a ``ColumnParallelLinear``, head-major ``[head][q|k|v][head_dim]`` as in
+Megatron so a rank's block holds whole heads; the output projection a
+``RowParallelLinear``), the MLP's hidden features, and the vocabulary (the logits
+``[B, T, V/tp]`` go straight to ``vocab_parallel_cross_entropy``). Norms and the
+position embedding are replicated. Every rank draws the full weights from the default
+RNG and keeps its slice, so TP=1 and TP=2 models from one seed are the same model.
+Megatron's everyday options (sequence parallelism, recompute, RoPE, RMSNorm, SwiGLU,
+grouped-query attention, untied output, no linear biases) are :class:`GPTConfig` fields.
 """
 
 from __future__ import annotations
 
-import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +28,7 @@ from mpzero.tensor_parallel.utils import resolve_tp_group, tp_rank, tp_world_siz
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 4096  # padded (see padded_vocab_size) so every TP size divides it
+    vocab_size: int = 4096  # padded (config.padded_vocab_size) so every TP size divides it
     seq_length: int = 256  # context length (= number of learned position embeddings)
     num_layers: int = 4
     hidden_size: int = 256
@@ -53,7 +38,7 @@ class GPTConfig:
     bias: bool = True  # biases in the linear layers and LayerNorms
     layernorm_epsilon: float = 1e-5
     init_std: float = 0.02
-    # Megatron's everyday options (flags of pretrain_gpt.py with the same names).
+    # Megatron's everyday options (flags of the same names, config.py).
     sequence_parallel: bool = False  # shard norms/dropout/residual along the sequence over TP
     recompute_granularity: str | None = None  # None, "full" (whole blocks), "selective"
     recompute_num_layers: int | None = None  # "full": the first N blocks (None: all)
@@ -66,26 +51,9 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True  # False: no biases in the linear layers (LayerNorm keeps its)
     attention_backend: str = "auto"  # SDPA kernel: "auto" (torch picks) or ATTENTION_BACKENDS
-    # The TP linear layers add their weight gradients into the optimizer's main_grad
-    # (mpzero.tensor_parallel.grad_accumulation); not part of the architecture.
-    gradient_accumulation_fusion: bool = False
-    # The MLP's bias and GELU as one op whose backward also makes the bias gradient
-    # (mpzero.tensor_parallel.bias_gelu); the same function as the unfused MLP.
-    bias_gelu_fusion: bool = False
-    # The MLP's bias and GELU (tanh, so openai_gelu) inside its GEMMs' epilogues
-    # (mpzero.tensor_parallel.gelu_mlp; where x and the weights share a dtype, i.e. not
-    # under autocast); the same function. keep_gelu_output: save gelu(z) for the backward
-    # (else it is made again there, one [tokens, ffn] activation less per layer).
-    gelu_gemm_fusion: bool = False
+    # Where the MLP's GELU runs in its GEMMs (tp.parallel_mlp): save gelu(z) for the
+    # backward, or make it again there (one [tokens, ffn] activation less per layer).
     gelu_gemm_keep_output: bool = True
-    # The QKV (and GQA's Q, KV) projections' backward takes the heads' gradients in one
-    # pass that also makes the bias gradient (mpzero.tensor_parallel.heads; where the
-    # activations and weights share a dtype); the same function.
-    heads_grad_fusion: bool = True
-    # LayerNorm or RMSNorm forward and backward one kernel each, the residual add before
-    # ln_2 in the same pass (mpzero.tensor_parallel.layer_norm; where the activations and
-    # weights share a dtype); the same function.
-    layernorm_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -105,9 +73,6 @@ class GPTConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.gelu_gemm_fusion and (self.swiglu or not self.openai_gelu):
-            raise ValueError("gelu_gemm_fusion fuses GELU's tanh approximation: it needs "
-                             "openai_gelu=True and swiglu=False")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
 
@@ -120,20 +85,7 @@ class GPTConfig:
         return self.bias and self.add_bias_linear
 
 
-def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
-                      divisible_by: int = 128) -> int:
-    """Round ``vocab_size`` up to a multiple of ``lcm(divisible_by, tp)``.
-
-    Unlike Megatron (which pads to ``divisible_by * tp``) the result is the same for
-    every TP size dividing ``divisible_by``, so TP=1 and TP=2 models are comparable.
-    """
-    multiple = math.lcm(divisible_by, tensor_model_parallel_size)
-    return -(-vocab_size // multiple) * multiple
-
-
-# --attention-backend: the one SDPA kernel the attention core may use ("auto": torch's
-# own choice, flash first). cuDNN's fused attention is the fastest on Hopper for the
-# head sizes of GPT models; a backend that cannot run the inputs raises torch's error.
+# --attention-backend: the one SDPA kernel the attention core may use (else torch picks).
 ATTENTION_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                       "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
@@ -141,16 +93,13 @@ SEQ_DIM = 1  # activations are batch-first, (B, T, h); sequence parallelism spli
 
 
 class Norm(nn.Module):
-    """LayerNorm or RMSNorm over the hidden dim, replicated on the TP ranks.
+    """LayerNorm or RMSNorm over the hidden dim, replicated on the TP ranks. With sequence
+    parallelism the weight and bias gradients are partial over TP (each rank's tokens):
+    all-reduced inside the autograd graph. ``plain``: PyTorch's norm, never a fused one."""
 
-    With sequence parallelism each rank normalizes its own tokens, so the gradients
-    of ``weight``/``bias`` are partial over TP: they are all-reduced inside the
-    autograd graph (``reduce_grad_over_tensor_model_parallel_region``).
-    """
-
-    def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
+    def __init__(self, cfg: GPTConfig, tp_group=None, plain: bool = False) -> None:
         super().__init__()
-        h = cfg.hidden_size
+        h, self.plain = cfg.hidden_size, plain
         self.rms = cfg.normalization == "RMSNorm"
         self.eps, self.sequence_parallel = cfg.layernorm_epsilon, cfg.sequence_parallel
         self.tp_group = resolve_tp_group(tp_group) if cfg.sequence_parallel else None
@@ -169,30 +118,17 @@ class Norm(nn.Module):
                 b, self.tp_group)
         return w, b
 
-    def fusable(self, x: torch.Tensor) -> bool:
-        """The fused kernels apply (LayerNorm or RMSNorm): activations in the weights'
-        dtype, no autocast."""
-        return x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type)
-
-    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(s, self(s))`` with ``s = x + y``, in one pass (needs :meth:`fusable`)."""
-        w, b = self._params()
-        if self.rms:
-            return tp.add_rms_norm(x, y, w, self.eps)
-        return tp.add_layer_norm(x, y, w, b, self.eps)
-
-    def fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` by the fused kernels (needs :meth:`fusable`)."""
-        w, b = self._params()
-        if self.rms:
-            return tp.fused_rms_norm(x, w, self.eps)
-        return tp.fused_layer_norm(x, w, b, self.eps)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._params()
-        if self.rms:
-            return F.rms_norm(x, w.shape, w, self.eps)
-        return F.layer_norm(x, w.shape, w, b, self.eps)
+        if self.plain:
+            return F.rms_norm(x, w.shape, w, self.eps) if self.rms else \
+                F.layer_norm(x, w.shape, w, b, self.eps)
+        return tp.norm(x, w, b, self.eps, self.rms)
+
+    def add_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, self(s))`` with ``s = x + y`` (the residual add before the norm)."""
+        w, b = self._params()
+        return tp.add_norm(x, y, w, b, self.eps, self.rms)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -225,14 +161,10 @@ class Rotary(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention over ``heads/tp`` heads per rank.
-
-    Multi-head (``num_query_groups == num_attention_heads``): one fused QKV
-    projection, head-major. Grouped-query: a ``q`` projection (heads split over TP)
-    and a ``kv`` projection, ``[group][k|v][head_dim]``, whose groups are split
-    over TP when ``groups >= tp`` and replicated otherwise (each rank then uses the
-    one group its query heads belong to; the weight's gradient is all-reduced over TP).
-    """
+    """Causal self-attention over ``heads/tp`` heads per rank: one fused QKV projection,
+    or (grouped-query) ``q`` and ``kv`` (``[group][k|v][head_dim]``), whose groups are
+    split over TP when ``groups >= tp`` and else replicated (``tp.ReplicatedLinear``:
+    each rank uses its query heads' group)."""
 
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
@@ -245,9 +177,8 @@ class CausalSelfAttention(nn.Module):
         self.sdpa_backend = ATTENTION_BACKENDS.get(cfg.attention_backend)  # None: auto
         self.selective_recompute = cfg.recompute_granularity == "selective"
         self.rotary = Rotary(cfg) if cfg.position_embedding_type == "rope" else None
-        self.heads_grad_fusion = cfg.heads_grad_fusion
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                  gradient_accumulation_fusion=True)  # where the optimizer gives main_grad
         init = tp.init_method_normal(cfg.init_std)
         self.gqa = groups != nh
         if not self.gqa:
@@ -265,45 +196,33 @@ class CausalSelfAttention(nn.Module):
                 if tp_size % groups:
                     raise ValueError(f"num_query_groups ({groups}) smaller than the "
                                      f"tensor-parallel size ({tp_size}) must divide it")
-                self.kv = ReplicatedLinear(h, 2 * groups * hd, cfg, init, self.tp_group)
+                self.kv = tp.ReplicatedLinear(h, 2 * groups * hd, 2 * hd, cfg.linear_bias,
+                                              init, tp_group, sequence_dim=SEQ_DIM,
+                                              sequence_parallel=cfg.sequence_parallel)
                 self.group = tp_rank(self.tp_group) * groups // tp_size
         self.proj = tp.RowParallelLinear(
             h, h, bias=cfg.linear_bias, input_is_parallel=True, tp_group=tp_group,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers), **sp)
 
-    def _heads(self, linear: tp.ColumnParallelLinear, x: torch.Tensor, n: int):
-        """``linear(x)`` (``(B, T, H/tp * n * hd)``, head-major) as ``n`` tensors
-        ``(B, H/tp, T, hd)``."""
-        if self.heads_grad_fusion:
-            return linear.forward_heads(x, n, self.head_dim)
-        y, _ = linear(x)
-        return tp.split_heads(y, n, self.head_dim)
-
     def _qkv(self, x: torch.Tensor):
+        hd = self.head_dim
         if not self.gqa:
-            return self._heads(self.qkv, x, 3)  # each (B, nh/tp, T, hd)
-        (q,) = self._heads(self.q, x, 1)  # (B, nh/tp, T, hd)
+            return self.qkv.forward_heads(x, 3, hd)  # each (B, nh/tp, T, hd)
+        (q,) = self.q.forward_heads(x, 1, hd)  # (B, nh/tp, T, hd)
         if self.kv_replicated:
             kv = self.kv(x, self.group)  # (B, T, 2*hd): this rank's group only
             k, v = tp.split_heads(kv, 2, self.head_dim)  # each (B, 1, T, hd)
         else:
-            k, v = self._heads(self.kv, x, 2)  # each (B, G/tp, T, hd)
+            k, v = self.kv.forward_heads(x, 2, hd)  # each (B, G/tp, T, hd)
         return q, k, v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if self.sdpa_backend is None:
-            return self._sdpa(q, k, v)
-        with sdpa_kernel(self.sdpa_backend):
-            return self._sdpa(q, k, v)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        gqa = {"enable_gqa": True} if self.gqa else {}
-        if self.training and self.dropout > 0:
-            # Heads differ per TP rank: their dropout masks come from the per-rank RNG.
-            with tp.get_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout,
-                                                      is_causal=True, **gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        p = self.dropout if self.training else 0.0
+        # Heads differ per TP rank: their dropout masks come from the per-rank RNG.
+        with (sdpa_kernel(self.sdpa_backend) if self.sdpa_backend else nullcontext()), \
+                (tp.get_rng_tracker().fork() if p > 0 else nullcontext()):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  enable_gqa=self.gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x)
@@ -319,89 +238,34 @@ class CausalSelfAttention(nn.Module):
         return out
 
 
-class ReplicatedLinear(nn.Module):
-    """A linear layer held whole on every TP rank, whose rows the ranks use in parts.
-
-    The KV projection of grouped-query attention with fewer groups than TP ranks:
-    rank r applies only the rows of its query heads' group, so each rank's weight
-    gradient is partial and is all-reduced over TP inside the autograd graph; the
-    input is all-gathered (sequence parallel) or copied into the TP region, whose
-    backward sums the ranks' input gradients.
-    """
-
-    def __init__(self, input_size: int, output_size: int, cfg: GPTConfig, init,
-                 tp_group) -> None:
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, cfg.sequence_parallel
-        self.rows = 2 * cfg.head_dim
-        master = torch.empty(output_size, input_size, dtype=torch.float32)  # as at TP=1
-        init(master)
-        self.weight = nn.Parameter(master)
-        self.bias = nn.Parameter(torch.zeros(output_size)) if cfg.linear_bias else None
-        for p in self.parameters():
-            p.tensor_model_parallel = False  # replicated: counted once in the grad norm
-            tp.mark_sequence_parallel(p)  # and its gradient is all-reduced over TP
-
-    def forward(self, x: torch.Tensor, group: int) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = tp.gather_from_sequence_parallel_region(x, SEQ_DIM, self.tp_group)
-        else:
-            x = tp.copy_to_tensor_model_parallel_region(x, self.tp_group)
-        w = tp.reduce_grad_over_tensor_model_parallel_region(self.weight, self.tp_group)
-        rows = slice(group * self.rows, (group + 1) * self.rows)
-        b = self.bias
-        if b is not None:
-            b = tp.reduce_grad_over_tensor_model_parallel_region(b, self.tp_group)[rows]
-        return F.linear(x, w[rows], b)  # (B, T, 2*hd)
-
-
 class MLP(nn.Module):
-    """``fc`` -> GELU (or SwiGLU) -> ``proj``; the hidden features are split over TP.
-
-    SwiGLU: ``fc`` has ``2 * ffn`` outputs ordered ``[feature][gate|up]``, so every
-    contiguous block a TP rank owns holds whole (gate, up) pairs.
-    """
+    """``fc`` -> GELU (or SwiGLU) -> ``proj``, the hidden features split over TP.
+    SwiGLU's ``fc`` outputs are ``[feature][gate|up]``: a rank's block holds whole pairs."""
 
     def __init__(self, cfg: GPTConfig, tp_group=None) -> None:
         super().__init__()
         sp = dict(sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                  gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                  gradient_accumulation_fusion=True)  # where the optimizer gives main_grad
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
-        self.gelu_gemm_fusion, self.keep_gelu_output = (cfg.gelu_gemm_fusion,
-                                                        cfg.gelu_gemm_keep_output)
+        self.keep_gelu_output = cfg.gelu_gemm_keep_output
         fc_out = 2 * cfg.ffn_hidden_size if cfg.swiglu else cfg.ffn_hidden_size
-        # Bias-GELU fusion: fc returns its bias instead of adding it (skip_bias_add).
-        fuse = cfg.bias_gelu_fusion and cfg.linear_bias and not cfg.swiglu
         self.fc = tp.ColumnParallelLinear(cfg.hidden_size, fc_out, bias=cfg.linear_bias,
                                           init_method=tp.init_method_normal(cfg.init_std),
-                                          tp_group=tp_group, skip_bias_add=fuse, **sp)
+                                          tp_group=tp_group, **sp)
         self.proj = tp.RowParallelLinear(
             cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.linear_bias, input_is_parallel=True,
             init_method=tp.scaled_init_method_normal(cfg.init_std, cfg.num_layers),
             tp_group=tp_group, **sp)
 
-    def _gemm_fusion_applies(self, x: torch.Tensor) -> bool:
-        """The GELU-in-GEMM path takes one dtype throughout (not autocast's mix)."""
-        return (self.gelu_gemm_fusion and x.dtype == self.fc.weight.dtype == self.proj.weight.dtype
-                and not torch.is_autocast_enabled(x.device.type))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gemm_fusion_applies(x):
-            y, _ = tp.parallel_gelu_mlp(x, self.fc, self.proj,
-                                        keep_gelu_output=self.keep_gelu_output)
-            return y
-        y, bias = self.fc(x)  # (B, T, ffn/tp), or (B, T, 2*ffn/tp) for SwiGLU
-        if self.swiglu:
-            gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
-            y = F.silu(gate) * up
-        elif bias is not None and bias.dtype == y.dtype:  # bias_gelu_fusion
-            y = tp.bias_gelu(y, bias, self.gelu_approximate)
-        elif bias is not None:  # autocast: bf16 activations, fp32 bias
-            y = F.gelu(y + bias, approximate=self.gelu_approximate)
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        y, _ = self.proj(y)  # (B, T, h)
+        if not self.swiglu:  # the op picks its fused path (GELU in the GEMMs, bias-GELU)
+            y, _ = tp.parallel_mlp(x, self.fc, self.proj, approximate=self.gelu_approximate,
+                                   keep_gelu_output=self.keep_gelu_output)
+            return y  # (B, T, h)
+        y, _ = self.fc(x)  # (B, T, 2*ffn/tp)
+        gate, up = y.unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, ffn/tp)
+        y, _ = self.proj(F.silu(gate) * up)  # (B, T, h)
         return y
 
 
@@ -414,17 +278,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, tp_group)
         # Replicated stream (same mask on TP ranks), per-rank with sequence parallelism.
         self.p, self.sequence_parallel = cfg.dropout, cfg.sequence_parallel
-        self.layernorm_fusion = cfg.layernorm_fusion
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p, sp = self.p, self.sequence_parallel
-        if self.layernorm_fusion and self.ln_1.fusable(x):
-            a = dropout(self.attn(self.ln_1.fused_forward(x)), p, self.training, sp)
-            x, h = self.ln_2.add_forward(x, a)
-            return x + dropout(self.mlp(h), p, self.training, sp)
-        x = x + dropout(self.attn(self.ln_1(x)), p, self.training, sp)
-        x = x + dropout(self.mlp(self.ln_2(x)), p, self.training, sp)
-        return x
+        a = dropout(self.attn(self.ln_1(x)), p, self.training, sp)
+        x, h = self.ln_2.add_forward(x, a)  # x + a, and ln_2 of it, in one pass
+        return x + dropout(self.mlp(h), p, self.training, sp)
 
 
 class GPT(nn.Module):
@@ -432,15 +291,9 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, tp_group=None, *, pre_process: bool = True,
                  post_process: bool = True, layers: range | None = None) -> None:
-        """A whole GPT, or one pipeline stage of it (see examples/gpt/pipeline.py).
-
-        ``layers``: the global indices of the blocks this stage holds (default all);
-        ``pre_process``: it holds the embeddings (first stage); ``post_process``: the
-        final LayerNorm and the tied output layer, with its own copy of ``wte``
-        (last stage). Every stage draws the whole model's weights from the default
-        RNG in the order of the unsplit model and keeps its part, so stages built
-        from one seed hold exactly the unsplit model's weights.
-        """
+        """A whole GPT, or one pipeline stage (pipeline.py) holding the blocks ``layers``
+        (global indices; default all), the embeddings if ``pre_process``, the final norm
+        and output layer (its own copy of a tied ``wte``) if ``post_process``."""
         super().__init__()
         self.cfg = cfg
         self.tp_group = resolve_tp_group(tp_group)
@@ -465,14 +318,16 @@ class GPT(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False,
                 init_method=tp.init_method_normal(cfg.init_std), tp_group=tp_group,
                 sequence_parallel=cfg.sequence_parallel, sequence_dim=SEQ_DIM,
-                gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                gradient_accumulation_fusion=True)
         if pre_process or (post_process and tied):
             self.wte = wte
         self.wpe = wpe if pre_process else None
         self.blocks = nn.ModuleList(b for i, b in enumerate(blocks) if i in self.layers)
         self.output_layer = output_layer if post_process else None
         if post_process:
-            self.ln_f = Norm(cfg, tp_group)
+            # PyTorch's norm: the fused kernel rounds differently, and the final norm has
+            # always been this one, so runs and checkpoints keep their loss curves.
+            self.ln_f = Norm(cfg, tp_group, plain=True)
         recompute = cfg.recompute_num_layers if cfg.recompute_num_layers is not None else \
             len(self.blocks)
         self.full_recompute_layers = recompute if cfg.recompute_granularity == "full" else 0
@@ -517,24 +372,17 @@ class GPT(nn.Module):
         return self.cross_entropy(logits, targets)
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``; pass logits nothing
-        else reads. On CUDA the fused kernels run (two reads of the logits) and the
-        backward overwrites the logits with their gradient (``inplace_backward``: no
-        second logits-sized buffer); elsewhere the chunked path, which is why this is its own
-        method: ``--compile`` compiles it next to the blocks (eager, the chunk loop
-        launches about ten kernels per chunk over the largest activation)."""
+        """Mean loss of the vocab-parallel logits ``(B, T, V/tp)``, which nothing else may
+        read: the backward overwrites them with their gradient (``inplace_backward``).
+        Its own method so that ``--compile`` compiles it (the CPU's chunked path)."""
         loss = tp.vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group,
                                                inplace_backward=True)  # (B, T)
         return loss.mean()
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Two optimizer param groups: weight matrices decayed, everything else not.
-
-        No decay for biases, LayerNorm weights and the embeddings (token table, which
-        is also the tied output layer, and positions): decay would pull the rows of
-        rare tokens and unused positions towards zero regardless of the data (the
-        minGPT convention; nanoGPT decays embeddings, Megatron decays them too).
-        """
+        """Two optimizer param groups: weight matrices decayed; biases, norms and the
+        embeddings not (decay would pull the rows of rare tokens and unused positions
+        towards zero whatever the data: minGPT's convention)."""
         no_decay_modules = (Norm, nn.LayerNorm, nn.Embedding, tp.VocabParallelEmbedding)
         decay, no_decay = [], []
         for module in self.modules():
@@ -547,37 +395,3 @@ class GPT(nn.Module):
                     decay.append(p)
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
-
-    def num_parameters(self) -> int:
-        """Parameters of the full (unsharded) model."""
-        cfg = self.cfg
-        h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-        b = 1 if cfg.linear_bias else 0
-        qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
-        fc = 2 * f if cfg.swiglu else f
-        norm = h * (2 if cfg.bias and cfg.normalization == "LayerNorm" else 1)
-        per_layer = (h * qkv + qkv * b) + (h * h + h * b) + (h * fc + fc * b) + (f * h + h * b)
-        per_layer += 2 * norm
-        total = L * per_layer + V * h + norm
-        if cfg.position_embedding_type == "learned_absolute":
-            total += cfg.seq_length * h
-        if cfg.untie_embeddings_and_output_weights:
-            total += V * h
-        return total
-
-
-def flops_per_token(cfg: GPTConfig, seq_length: int | None = None) -> float:
-    """Training FLOPs (forward + backward = 3x forward) per token of the full model.
-
-    Matmuls only, 2 FLOPs per multiply-add: per layer QKV ``2h(h + 2*G*hd)`` (``6h^2``
-    for multi-head), projection ``2h^2``, MLP ``4hf`` (``6hf`` with SwiGLU), attention
-    scores and values ``4sh`` (counted without the causal half, as Megatron and PaLM
-    do); the output layer ``2hV``. Recomputation is not counted (model FLOPs).
-    Equals ``6 * N_matmul + 12 * L * s * h``.
-    """
-    s = cfg.seq_length if seq_length is None else seq_length
-    h, f, L, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers, cfg.vocab_size
-    qkv = h + 2 * cfg.num_query_groups * cfg.head_dim
-    mlp = 3 * h * f if cfg.swiglu else 2 * h * f
-    forward = L * (2 * h * qkv + 2 * h * h + 2 * mlp + 4 * s * h) + 2 * h * V
-    return 3.0 * forward

@@ -10,6 +10,7 @@ Gradient accumulation sums in fp32 unless ``--grad-sync-dtype bf16``: see
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -85,3 +86,15 @@ def no_sync(optimizer):
     accumulate in ``param.grad`` (fp32) and are copied once."""
     greedy = any(p.dtype in LOW_PRECISION for p in optimizer.parameters())
     return optimizer.no_sync(greedy_grad_copy=greedy)
+
+
+def lr_at(iteration: int, o, train_iters: int) -> float:
+    """The learning rate of ``iteration`` for an optimizer section
+    (``config.OptimizerConfig``): linear warmup to ``lr`` over ``lr_warmup_iters``, then
+    cosine decay to ``min_lr`` over ``lr_decay_iters`` (default ``train_iters``)."""
+    if o.lr_warmup_iters > 0 and iteration <= o.lr_warmup_iters:
+        return o.lr * iteration / o.lr_warmup_iters
+    decay_iters = o.lr_decay_iters or train_iters
+    span = max(1, decay_iters - o.lr_warmup_iters)
+    progress = min(1.0, (iteration - o.lr_warmup_iters) / span)
+    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)

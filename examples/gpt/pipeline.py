@@ -1,56 +1,17 @@
 """Pipeline parallelism for the GPT example: stages, a 1F1B schedule, tied embeddings.
 
-A pipeline group of ``P`` ranks (``mpzero.parallel_state``) splits the
-transformer blocks into ``P`` consecutive stages (:func:`stage_layers`). The
-first stage also holds the embeddings, the last the final LayerNorm and the
-output layer, which is tied to the word embedding: the last stage holds a copy
-of ``wte`` (Megatron style). Each iteration runs ``M`` micro-batches (``M =
-global_batch / (micro_batch * dp)``) with the 1F1B schedule of
-:func:`forward_backward_1f1b`: stage ``r`` runs ``P - r - 1`` warm-up forwards,
-then alternates one forward and one backward (steady state), then runs the
-remaining backwards (cool-down), so at most ``P - r`` micro-batches' activations
-are alive on it. Activations travel forward and their gradients backward by
-point-to-point messages to ``get_pipeline_model_parallel_{next,prev}_rank()``.
-
-The optimizer is a :class:`~mpzero.optimizers.DistributedFusedAdam` per stage,
-ZeRO-2 over the stage's data-parallel group, with ``model_parallel_group`` set
-to the tensor x pipeline group so the gradient norm (and so the clipping
-coefficient) is the global one. ``optimizer.no_sync()`` wraps every backward but
-the last micro-batch's, whose backward launches the buckets' reduce-scatters as
-they fill (overlap), as without pipelining.
-
-Tied embedding (:class:`TiedEmbedding`): both copies start equal (every stage
-draws the unsplit model's weights from the same seeded RNG stream, see
-``GPT.__init__``). After the data-parallel gradient sync, the two stages add
-their ``wte`` gradients by an all-reduce over ``get_embedding_group()``, so both
-copies take the same Adam step and stay equal. ZeRO-2 keeps only this rank's
-shard of the synced gradient, so ``wte`` is put in optimizer bucket(s) of its
-own on both stages: those buckets have the same layout on both (a pure function
-of the parameter's size, the alignment and the distributed size), shard ``k``
-holds the same elements on both, and the all-reduce runs on the shards (the
-reason Megatron gives its shared embedding a bucket of its own with the
-distributed optimizer). The last stage's copy is left out of the gradient norm,
-so ``wte`` is counted once, as at PP=1. The bucket is placed last in the first
-stage's layout and first in the last stage's (the order their gradients are
-complete in backward), so the other buckets still overlap the backward pass.
-:class:`TiedEmbedding` uses the optimizer's ``grad_shards(param)`` (the synced
-gradient shards of ``wte``'s buckets) and ``shards.exclude_from_norm(param)``.
-
-Why a schedule of our own and not ``torch.distributed.pipelining``
-(``PipelineStage`` + ``Schedule1F1B``, which runs on gloo): its schedule owns the
-per-micro-batch backward calls, and only knows DDP's/FSDP's ``no_sync``, so
-DistributedFusedAdam's ``no_sync()`` cannot wrap exactly the first ``M - 1``
-backwards; its ``scale_grads`` divides ``param.grad`` after the last backward,
-when the optimizer's hooks have already moved the gradients into its buckets;
-and the tied-embedding all-reduce has to run between the optimizer's grad sync
-and its step, outside the schedule. The 1F1B loop itself is short (below).
-
-Deadlock freedom: messages between two stages keep their order (forward
-activations in micro-batch order on one tag, gradients on another). On gloo
-sends are asynchronous (``isend``, waited for at the end of the schedule) and
-only receives block; on NCCL the steady state's send+receive pairs go together
-in one ``batch_isend_irecv`` (two stages each sending first would block each
-other's stream).
+A pipeline group of ``P`` ranks splits the blocks into ``P`` consecutive stages
+(:func:`stage_layers`); the first also holds the embeddings, the last the final norm and
+an output layer tied to its own copy of ``wte``. Each iteration runs ``M`` micro-batches
+with the 1F1B schedule of :func:`forward_backward_1f1b` (stage ``r``: ``P - r - 1``
+warm-up forwards, one forward one backward, then the remaining backwards), activations
+and their gradients going point-to-point between neighbouring stages. One
+DistributedFusedAdam per stage (ZeRO-2 over the stage's DP group, the TP x PP group as
+``model_parallel_group`` so the grad norm is the global one). :class:`TiedEmbedding`
+keeps the two ``wte`` copies equal: ``wte`` has optimizer buckets of its own on both
+stages (the same layout, so shard ``k`` holds the same elements), whose synced gradient
+shards are all-reduced over the embedding group before the step. The README's "Pipeline
+parallelism" section says why the schedule is our own and how it stays deadlock-free.
 """
 
 from __future__ import annotations

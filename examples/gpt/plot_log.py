@@ -71,12 +71,17 @@ def plot(paths: list[str], output: str, title: str | None = None) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m examples.gpt.plot_log``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", help="JSONL logs written by --log-file")
-    p.add_argument("--output", "-o", default="gpt_curves.png")
-    p.add_argument("--title", default=None)
-    a = p.parse_args(argv)
+    p.add_argument("--output", "-o", default="gpt_curves.png", help="the PNG to write")
+    p.add_argument("--title", default=None, help="the figure's title")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     print(f"wrote {plot(a.logs, a.output, a.title)}")
 
 

@@ -2,8 +2,8 @@
 
 - ``--bf16`` (Megatron's meaning): the model's parameters are bf16, and so are
   the activations and the matmuls; the fp32 master weights live in the optimizer
-  (DistributedFusedAdam's shards, or DataParallelAdamW's master copies), and the
-  loss is computed in fp32 from the bf16 logits. Parameters and gradients take
+  (DistributedFusedAdam's shards), and the loss is computed in fp32 from the bf16
+  logits. Parameters and gradients take
   2 + 2 bytes per parameter on every rank, the masters and moments 12 bytes
   sharded by the optimizer.
 - ``--autocast-bf16`` (the example's former ``--bf16``): fp32 parameters under
@@ -19,23 +19,23 @@ import contextlib
 import torch
 
 
-def param_dtype(args) -> torch.dtype:
-    """The dtype of the model's parameters."""
-    return torch.bfloat16 if args.bf16 else torch.float32
+def param_dtype(rt) -> torch.dtype:
+    """The dtype of the model's parameters (``rt``: the run's ``config.RuntimeConfig``)."""
+    return torch.bfloat16 if rt.bf16 else torch.float32
 
 
-def autocast_factory(args, device: torch.device):
+def autocast_factory(rt, device: torch.device):
     """A function returning the context each forward runs in."""
-    if args.autocast_bf16 and device.type == "cuda":
+    if rt.autocast_bf16 and device.type == "cuda":
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext
 
 
-def describe(args, device: torch.device) -> str:
+def describe(rt, device: torch.device) -> str:
     """One word for the log: bf16 (parameters), autocast-bf16 or fp32."""
-    if args.bf16:
+    if rt.bf16:
         return "bf16"
-    if args.autocast_bf16 and device.type == "cuda":
+    if rt.autocast_bf16 and device.type == "cuda":
         return "autocast-bf16"
     return "fp32"
 

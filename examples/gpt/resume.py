@@ -1,7 +1,7 @@
 """``--load``: which checkpoint the GPT example resumes from, whether it fits this run,
 and which side wins where the command line and the checkpoint differ.
 
-1. The checkpoint is chosen first (:func:`checkpointing.choose_checkpoint`, collective:
+1. The checkpoint is chosen first (:func:`checkpoint_choice.choose_checkpoint`, collective:
    the newest that verifies on every rank, or ``--load-iteration``); ``latest`` is
    never trusted. Every check below reads *that* checkpoint's manifest.
 2. Model shape (:data:`ARCH_ARGS`) and optimizer (DistributedFusedAdam) must be the
@@ -20,12 +20,11 @@ and which side wins where the command line and the checkpoint differ.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
-from . import checkpointing
+from . import checkpoint_choice, checkpointing
+from .config import Config
 
 ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "padded_vocab_size", "position_embedding_type", "normalization",
@@ -40,52 +39,17 @@ GROUP_KEYS = ("betas", "eps", "weight_decay")
 OPTIMIZER_NAMES = {"dfa": "DistributedFusedAdam", "adamw": "torch AdamW"}
 
 
-def add_arguments(g: argparse._ArgumentGroup) -> None:
-    """The resume flags (in pretrain_gpt.py's "checkpoints" group)."""
-    g.add_argument("--override-opt-param-scheduler", "--override-opt_param-scheduler",
-                   dest="override_opt_param_scheduler", action="store_true",
-                   help="on resume, where this command line and the checkpoint differ in "
-                        "the lr schedule (--lr, --min-lr, --lr-warmup-iters, "
-                        "--lr-decay-iters or --train-iters) or the optimizer's "
-                        "hyperparameters (--weight-decay, --adam-beta1, --adam-beta2, "
-                        "--adam-eps), use the command line's values (default: such a "
-                        "difference stops the run)")
-    g.add_argument("--use-checkpoint-opt-param-scheduler",
-                   "--use-checkpoint-opt_param-scheduler",
-                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
-                   help="on resume, take the lr schedule and the optimizer's "
-                        "hyperparameters from the checkpoint, whatever this command line "
-                        "says")
-    g.add_argument("--allow-missing-load", action="store_true",
-                   help="start from scratch when --load does not exist or holds no "
-                        "checkpoint (default: an error, since a mistyped path would "
-                        "silently restart the run; not needed when --load is also --save)")
-
-
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Contradictory resume flags: an argparse error; flags without --load: a warning."""
-    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        p.error(f"{OVERRIDE} and {USE_CHECKPOINT} contradict each other: the first makes "
-                "the command line win, the second the checkpoint; pick one")
-    if args.load is None and int(os.environ.get("RANK", "0")) == 0 and (
-            args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler
-            or args.allow_missing_load):
-        print(f"warning: {OVERRIDE}/{USE_CHECKPOINT}/--allow-missing-load have no effect "
-              "without --load", file=sys.stderr, flush=True)
-
-
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def check_architecture(args, ckpt: Path, manifest: dict) -> None:
+def check_architecture(cfg: Config, ckpt: Path, manifest: dict) -> None:
     """The checkpoint ``ckpt`` (the one chosen to load) has this run's model shape."""
-    saved = manifest.get("args") or {}
+    saved, here = manifest.get("args") or {}, cfg.flat()
     for key in ARCH_ARGS:
-        if key in saved and saved[key] != getattr(args, key, None):
+        if key in saved and saved[key] != here.get(key):
             raise checkpointing.CheckpointMismatch(
-                f"{ckpt} has {key}={saved[key]}, this run has {_flag(key)}="
-                f"{getattr(args, key, None)}")
+                f"{ckpt} has {key}={saved[key]}, this run has {_flag(key)}={here.get(key)}")
 
 
 def _saved_optimizer(manifest: dict) -> str | None:
@@ -95,12 +59,12 @@ def _saved_optimizer(manifest: dict) -> str | None:
     return saved
 
 
-def check_optimizer(args, ckpt: Path, manifest: dict) -> None:
+def check_optimizer(cfg: Config, ckpt: Path, manifest: dict) -> None:
     """The checkpoint holds a DistributedFusedAdam state, the example's optimizer (unless
     ``--no-load-optim``: then only the model is loaded). Checkpoints of the former
     ``--optimizer adamw`` baseline hold torch AdamW's state instead."""
     saved = _saved_optimizer(manifest)
-    if args.no_load_optim or saved in (None, "dfa"):
+    if cfg.checkpoint.no_load_optim or saved in (None, "dfa"):
         return
     raise checkpointing.CheckpointMismatch(
         f"{ckpt} holds the state of --optimizer {saved} ({OPTIMIZER_NAMES.get(saved, saved)})"
@@ -112,9 +76,10 @@ def _decay_iters(a) -> int:
     return a.get("lr_decay_iters") or a.get("train_iters")
 
 
-def _differences(args, saved: dict, with_optimizer: bool) -> list[tuple[str, object, object]]:
+def _differences(cfg: Config, saved: dict,
+                 with_optimizer: bool) -> list[tuple[str, object, object]]:
     """``(flag, checkpoint value, command-line value)`` of every difference."""
-    here = vars(args)
+    here = cfg.flat()
     out = []
     for key in SCHEDULE_ARGS + (OPTIMIZER_ARGS if with_optimizer else ()):
         if key in saved and saved[key] != here[key]:
@@ -127,29 +92,32 @@ def _differences(args, saved: dict, with_optimizer: bool) -> list[tuple[str, obj
     return out
 
 
-def resolve_hyperparameters(args, ckpt: Path, manifest: dict) -> list[str]:
+def resolve_hyperparameters(cfg: Config, ckpt: Path,
+                            manifest: dict) -> tuple[Config, list[str]]:
     """Compare the lr schedule and (when the optimizer state is loaded) the optimizer's
     hyperparameters with the checkpoint's. A difference stops the run
-    (:class:`checkpointing.CheckpointMismatch`) unless a flag says which side wins; with
-    ``--use-checkpoint-opt-param-scheduler`` ``args`` takes the checkpoint's values.
-    Returns the lines rank 0 prints: what was taken from where."""
+    (:class:`checkpointing.CheckpointMismatch`) unless a flag says which side wins.
+    Returns the configuration to run with (a new one holding the checkpoint's values
+    with ``--use-checkpoint-opt-param-scheduler``, else ``cfg``) and the lines rank 0
+    prints: what was taken from where."""
     saved = manifest.get("args") or {}
-    with_optimizer = not args.no_load_optim
-    diffs = _differences(args, saved, with_optimizer)
+    ck = cfg.checkpoint
+    with_optimizer = not ck.no_load_optim
+    diffs = _differences(cfg, saved, with_optimizer)
     covered = "the lr schedule" + (" and the optimizer's hyperparameters" if with_optimizer
                                    else "")
     lines = []
     if not diffs:
         lines.append(f"{covered}: the checkpoint's and the command line's agree")
-    elif args.override_opt_param_scheduler:
+    elif ck.override_opt_param_scheduler:
         lines.append(f"{covered}: from the command line ({OVERRIDE}): " + ", ".join(
             f"{flag} {new} (the checkpoint had {old})" for flag, old, new in diffs))
-    elif args.use_checkpoint_opt_param_scheduler:
-        for key in SCHEDULE_ARGS + OPTIMIZER_ARGS:
-            if key in saved and (key in SCHEDULE_ARGS or with_optimizer):
-                setattr(args, key, saved[key])
+    elif ck.use_checkpoint_opt_param_scheduler:
+        taken = {key: saved[key] for key in SCHEDULE_ARGS + OPTIMIZER_ARGS
+                 if key in saved and (key in SCHEDULE_ARGS or with_optimizer)}
         if _decay_iters(saved) is not None:
-            args.lr_decay_iters = _decay_iters(saved)
+            taken["lr_decay_iters"] = _decay_iters(saved)
+        cfg = cfg.updated(**taken)
         lines.append(f"{covered}: from the checkpoint ({USE_CHECKPOINT}): " + ", ".join(
             f"{flag} {old} (the command line said {new})" for flag, old, new in diffs))
     else:
@@ -159,10 +127,10 @@ def resolve_hyperparameters(args, ckpt: Path, manifest: dict) -> list[str]:
                         for flag, old, new in diffs)
             + f". Pass {USE_CHECKPOINT} to continue with the checkpoint's values, or "
             f"{OVERRIDE} to use the command line's")
-    if args.no_load_optim:
+    if ck.no_load_optim:
         lines.append("the optimizer's hyperparameters: from the command line "
                      "(--no-load-optim: the optimizer starts afresh)")
-    return lines
+    return cfg, lines
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
@@ -170,68 +138,71 @@ def _same_dir(a: str | None, b: str | None) -> bool:
         os.path.realpath(a) == os.path.realpath(b)
 
 
-def no_checkpoint(args) -> str:
+def no_checkpoint(ck) -> str:
     """What to say when ``--load`` holds no checkpoint; raises unless starting from scratch
-    is what the command line asks for."""
-    where = "does not exist" if not Path(args.load).exists() else \
+    is what the command line asks for (``ck``: the checkpoint section)."""
+    where = "does not exist" if not Path(ck.load).exists() else \
         "holds no checkpoint (no iter_* directories)"
-    if args.allow_missing_load:
-        return f"--load {args.load} {where}: starting from scratch (--allow-missing-load)"
-    if _same_dir(args.load, args.save):
-        return (f"--load {args.load} {where}: starting from scratch (it is also --save: "
+    if ck.allow_missing_load:
+        return f"--load {ck.load} {where}: starting from scratch (--allow-missing-load)"
+    if _same_dir(ck.load, ck.save):
+        return (f"--load {ck.load} {where}: starting from scratch (it is also --save: "
                 "the first launch of a resumable job)")
     raise checkpointing.CheckpointError(
-        f"--load {args.load} {where}: check the path (a wrong one would restart the run "
+        f"--load {ck.load} {where}: check the path (a wrong one would restart the run "
         "from scratch); to start from scratch on purpose, drop --load, make --save the "
         "same directory, or add --allow-missing-load")
 
 
-def prepare(args) -> tuple[Path | None, dict | None, list[str]]:
+def prepare(cfg: Config) -> tuple[Path | None, dict | None, list[str], Config]:
     """Choose the checkpoint (collective) and check it against the command line, before
-    anything is loaded: ``(checkpoint dir, manifest, lines to print)``, or
-    ``(None, None, lines)`` when the run starts from scratch."""
-    ckpt = checkpointing.choose_checkpoint(args.load, args.load_iteration)
+    anything is loaded: ``(checkpoint dir, manifest, lines to print, configuration to
+    run with)``, or ``(None, None, lines, cfg)`` when the run starts from scratch."""
+    ck = cfg.checkpoint
+    ckpt = checkpoint_choice.choose_checkpoint(ck.load, ck.load_iteration)
     if ckpt is None:
-        return None, None, [no_checkpoint(args)]
+        return None, None, [no_checkpoint(ck)], cfg
     manifest = checkpointing.read_manifest(ckpt)
-    check_architecture(args, ckpt, manifest)
-    check_optimizer(args, ckpt, manifest)
-    return ckpt, manifest, resolve_hyperparameters(args, ckpt, manifest)
+    check_architecture(cfg, ckpt, manifest)
+    check_optimizer(cfg, ckpt, manifest)
+    cfg, lines = resolve_hyperparameters(cfg, ckpt, manifest)
+    return ckpt, manifest, lines, cfg
 
 
-def resume(args, model, optimizer, sampler, rank: int) -> int:
+def resume(cfg: Config, model, optimizer, sampler, rank: int) -> tuple[int, Config]:
     """Everything ``--load`` does (every rank calls it): returns the iteration to continue
-    from (0 when starting from scratch)."""
-    ckpt, manifest, lines = prepare(args)
+    from (0 when starting from scratch) and the configuration to continue with."""
+    ckpt, manifest, lines, cfg = prepare(cfg)
+    ck = cfg.checkpoint
     if ckpt is None:
         if rank == 0:
             print(lines[0], flush=True)
-        return 0
+        return 0, cfg
     built = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
-    manifest = checkpointing.load_checkpoint(
-        args.load, model, None if args.no_load_optim else optimizer,
-        load_rng=not args.no_load_rng, ckpt=ckpt)
-    if args.no_load_optim:
+    manifest = checkpointing.load_checkpoint(ckpt, model,
+                                             None if ck.no_load_optim else optimizer,
+                                             load_rng=not ck.no_load_rng)
+    if ck.no_load_optim:
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()  # master weights from the loaded model
-    elif args.override_opt_param_scheduler:
+    elif ck.override_opt_param_scheduler:
         for group, values in zip(optimizer.param_groups, built):
             group.update(values)  # the command line's, over the loaded groups
     if manifest.get("data"):
         sampler.load_state_dict(manifest["data"])
     iteration = manifest["iteration"]
     if rank == 0:
-        loaded = ["model", *([] if args.no_load_optim else ["optimizer state"]),
-                  *(["RNG states"] if not args.no_load_rng
+        loaded = ["model", *([] if ck.no_load_optim else ["optimizer state"]),
+                  *(["RNG states"] if not ck.no_load_rng
                     and checkpointing.restores_rng(manifest) else []),
                   "data position", f"iteration {iteration}"]
         print(f"resume from {ckpt}: from the checkpoint: {', '.join(loaded)}", flush=True)
-        if not args.no_load_rng and not checkpointing.restores_rng(manifest):
+        if not ck.no_load_rng and not checkpointing.restores_rng(manifest):
             print(f"resume from {ckpt}: RNG states start afresh (saved at world size "
                   f"{manifest.get('world_size')}, tensor_model_parallel_size "
                   f"{manifest.get('tensor_model_parallel_size')}; restored only at the "
                   "same sizes)", flush=True)
         for line in lines:
             print(f"resume from {ckpt}: {line}", flush=True)
-        print(f"resumed from {args.load} at iteration {iteration}", flush=True)
-    return iteration
+        print(f"resumed from {ck.load} at iteration {iteration}", flush=True)
+    return iteration, cfg

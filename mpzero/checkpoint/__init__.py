@@ -14,8 +14,10 @@ from mpzero.checkpoint.safe_load import (
     SafeFileSystemReader,
     UnsafeCheckpointError,
     read_dcp_metadata,
+    sha256_file,
     torch_load,
 )
 
 __all__ = ["DCP_FORMAT", "SafeFileSystemReader", "UnsafeCheckpointError", "consolidate",
-           "load_sharded", "read_dcp_metadata", "read_meta", "save_sharded", "torch_load"]
+           "load_sharded", "read_dcp_metadata", "read_meta", "save_sharded", "sha256_file",
+           "torch_load"]

@@ -25,7 +25,6 @@ written by :func:`mpzero.checkpoint.save_sharded`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 import sys
@@ -37,14 +36,6 @@ from mpzero.checkpoint import dcp as mdcp
 from mpzero.checkpoint import safe_load
 
 _ITER = re.compile(r"iter_\d{7,}")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _iterations(root: Path) -> list[Path]:
@@ -96,7 +87,7 @@ def check(ckpt: Path) -> list[tuple[str, int | None, str]]:
             rows.append((name, None, "MISSING"))
         else:
             rows.append((name, path.stat().st_size,
-                         "ok" if _sha256(path) == digest else "MISMATCH"))
+                         "ok" if safe_load.sha256_file(path) == digest else "MISMATCH"))
     return rows
 
 

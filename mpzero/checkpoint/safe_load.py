@@ -22,6 +22,7 @@ not signed, and whoever can replace a file can rewrite its checksum too.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -32,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-__all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "UnsafeCheckpointError",
+__all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "UnsafeCheckpointError", "sha256_file",
            "read_dcp_metadata", "torch_load"]
 
 
@@ -167,3 +168,13 @@ def torch_load(path: str | os.PathLike, *, mmap: bool = False) -> Any:
             f"{path}: refused by torch.load(weights_only=True) ({weights_only_reason(e)}): it "
             "holds objects other than tensors, numbers and plain containers, which mpzero "
             "never writes (a crafted or foreign file); it was not unpickled") from None
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file's bytes, read in 4 MiB chunks (the checksums that
+    checkpoint and data manifests record)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

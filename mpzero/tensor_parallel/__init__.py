@@ -11,20 +11,29 @@ Sequence parallelism: ``sequence_parallel=True`` on both linear layers plus the
 marked with :func:`mark_sequence_parallel` and wrapped in
 :func:`reduce_grad_over_tensor_model_parallel_region` where they are used.
 :func:`checkpoint` is activation recomputation that replays the TP RNG tracker.
+
+Fused kernels: the ops with a fused path (:func:`norm`, :func:`add_norm`,
+:meth:`ColumnParallelLinear.forward_heads`, :func:`parallel_mlp`) choose it
+themselves from dtype, device and build, and fall back to plain PyTorch otherwise
+(:mod:`mpzero.tensor_parallel.fusion`; :func:`fused_paths` overrides the choice).
 """
 
 from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from mpzero.tensor_parallel.gelu_mlp import gelu_mlp, parallel_gelu_mlp
+from mpzero.tensor_parallel.fusion import fused_paths, set_fused_paths
+from mpzero.tensor_parallel.gelu_mlp import gelu_mlp, parallel_gelu_mlp, parallel_mlp
 from mpzero.tensor_parallel.heads import linear_heads, split_heads
 from mpzero.tensor_parallel.layer_norm import (
     add_layer_norm,
+    add_norm,
     add_rms_norm,
     fused_layer_norm,
     fused_rms_norm,
+    norm,
 )
 from mpzero.tensor_parallel.layers import (
     ColumnParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     init_method_normal,
@@ -54,6 +63,7 @@ from mpzero.tensor_parallel.utils import divide, set_tensor_model_parallel_attri
 
 __all__ = [
     "ColumnParallelLinear",
+    "ReplicatedLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "init_method_normal",
@@ -62,12 +72,17 @@ __all__ = [
     "bias_gelu",
     "gelu_mlp",
     "parallel_gelu_mlp",
+    "parallel_mlp",
+    "fused_paths",
+    "set_fused_paths",
     "linear_heads",
     "split_heads",
     "add_layer_norm",
     "add_rms_norm",
     "fused_layer_norm",
     "fused_rms_norm",
+    "norm",
+    "add_norm",
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region",

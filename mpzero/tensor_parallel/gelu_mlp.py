@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from mpzero import kernels
+from mpzero.tensor_parallel import fusion
+from mpzero.tensor_parallel.bias_gelu import bias_gelu
 from mpzero.tensor_parallel.grad_accumulation import can_fuse, wgrad_accumulate
 
-__all__ = ["gelu_mlp", "parallel_gelu_mlp"]
+__all__ = ["gelu_mlp", "parallel_gelu_mlp", "parallel_mlp"]
 
 
 @torch.library.custom_op("mpzero::gemm_bias_gelu", mutates_args=())
@@ -159,3 +161,40 @@ def parallel_gelu_mlp(x: torch.Tensor, fc, proj, *, keep_gelu_output: bool = Tru
         gradient_accumulation_fusion=fc.gradient_accumulation_fusion
         and proj.gradient_accumulation_fusion)
     return proj.reduce_output(partial)
+
+
+def parallel_mlp(x: torch.Tensor, fc, proj, *, approximate: str = "none",
+                 keep_gelu_output: bool = True):
+    """``proj(gelu(fc(x), approximate))`` for a ColumnParallelLinear ``fc`` and a
+    RowParallelLinear ``proj`` (``input_is_parallel=True``), by the fastest path that
+    computes that function here (:mod:`~mpzero.tensor_parallel.fusion`):
+
+    1. ``gelu_gemm``: the bias and GELU in the GEMMs' epilogues (:func:`parallel_gelu_mlp`)
+       for the tanh GELU on fp16/bf16 CUDA tensors with the extension built;
+    2. ``bias_gelu``: ``fc``'s GEMM without its bias, then :func:`bias_gelu` (the bias
+       gradient in the GELU's backward pass) on CUDA with the extension built;
+    3. else ``fc``, ``F.gelu``, ``proj``.
+
+    The fused paths need ``x``, the weights and ``fc``'s bias in one dtype, no autocast,
+    and ``fc`` neither gathering its output nor skipping its bias add.
+    ``keep_gelu_output``: with path 1, save ``gelu(z)`` for the backward (faster) or
+    make it again there (one ``[tokens, ffn]`` activation less). Returns ``proj``'s
+    ``(output, bias)``."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"parallel_mlp: approximate must be 'none' or 'tanh', got "
+                         f"{approximate!r}")
+    same = (x.dtype == fc.weight.dtype == proj.weight.dtype
+            and (fc.bias is None or fc.bias.dtype == x.dtype)
+            and not torch.is_autocast_enabled(x.device.type)
+            and not fc.gather_output and not fc.skip_bias_add and proj.input_is_parallel)
+    built = x.is_cuda and kernels.extension_available()
+    if fusion.applies("gelu_gemm", allowed=same and approximate == "tanh",
+                      pays=built and x.dtype in (torch.float16, torch.bfloat16)
+                      and kernels.gemm_gelu_available()):
+        return parallel_gelu_mlp(x, fc, proj, keep_gelu_output=keep_gelu_output)
+    if fc.bias is not None and fusion.applies("bias_gelu", allowed=same, pays=built):
+        y = bias_gelu(fc._linear(fc.parallel_input(x), None), fc.bias, approximate)
+    else:
+        y, bias = fc(x)  # (..., ffn/tp); bias: only with skip_bias_add
+        y = F.gelu(y if bias is None else y + bias, approximate=approximate)
+    return proj(y)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mpzero import kernels
+from mpzero.tensor_parallel import fusion
 from mpzero.tensor_parallel.grad_accumulation import (
     can_fuse,
     linear_with_grad_accumulation,
@@ -76,11 +77,13 @@ class _LinearHeads(torch.autograd.Function):
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The fused backward applies: a 3-D input of the weight's (and bias') dtype, no
-    autocast (whose casts this function would not see), gradients needed."""
-    return (x.dim() == 3 and x.dtype == weight.dtype
-            and (bias is None or bias.dtype == weight.dtype)
-            and not torch.is_autocast_enabled(x.device.type)
-            and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    autocast (whose casts this function would not see), gradients needed; on every
+    device (:mod:`~mpzero.tensor_parallel.fusion`)."""
+    return fusion.applies("heads_grad", pays=True, allowed=(
+        x.dim() == 3 and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+        and not torch.is_autocast_enabled(x.device.type)
+        and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 def linear_heads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

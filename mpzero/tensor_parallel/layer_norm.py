@@ -18,10 +18,13 @@ kernel; the residual add is a separate kernel there.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mpzero import kernels
+from mpzero.tensor_parallel import fusion
 
-__all__ = ["add_layer_norm", "add_rms_norm", "fused_layer_norm", "fused_rms_norm"]
+__all__ = ["add_layer_norm", "add_norm", "add_rms_norm", "fused_layer_norm", "fused_rms_norm",
+           "norm"]
 
 
 @torch.library.custom_op("mpzero::layer_norm_forward", mutates_args=())
@@ -131,3 +134,40 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> 
     """``F.rms_norm(x, (h,), weight, eps)`` over the last dim ``h``, forward and backward
     one pass each."""
     return _norm(x, weight, None, eps, True, "fused_rms_norm")
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The fused kernels compute the same function: activations, weight and bias of one
+    dtype, no autocast (whose casts they would not see)."""
+    return fusion.applies(
+        "layer_norm", pays=True,
+        allowed=(x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
+                 and not torch.is_autocast_enabled(x.device.type)))
+
+
+def _plain(x, weight, bias, eps, rms):
+    if rms:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.layer_norm(x, weight.shape, weight, bias, eps)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         eps: float = 1e-5, rms: bool = False) -> torch.Tensor:
+    """LayerNorm (``rms``: RMSNorm, no bias) of ``x [..., h]`` over its last dim: by
+    :func:`fused_layer_norm` / :func:`fused_rms_norm` where they apply
+    (:mod:`~mpzero.tensor_parallel.fusion`), else ``F.layer_norm`` / ``F.rms_norm``."""
+    if _fused(x, weight, bias):
+        return _norm(x, weight, bias, eps, rms, "norm")
+    return _plain(x, weight, bias, eps, rms)
+
+
+def add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, eps: float = 1e-5, rms: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` with ``s = x + y``: the residual add and the norm after it in one
+    pass each way (:func:`add_layer_norm` / :func:`add_rms_norm`) where they apply, else
+    the add and ``F.layer_norm`` / ``F.rms_norm``."""
+    if _fused(x, weight, bias):
+        return _add_norm(x, y, weight, bias, eps, rms, "add_norm")
+    s = x + y
+    return s, _plain(s, weight, bias, eps, rms)

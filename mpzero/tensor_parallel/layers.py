@@ -329,3 +329,45 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
                 f"tp={self.tp_size}, rows={self.vocab_start_index}:{self.vocab_end_index}")
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer held whole on every TP rank, whose rows the ranks use in parts.
+
+    For example the KV projection of grouped-query attention with fewer KV groups than
+    TP ranks: ``forward(x, part)`` applies rows ``part * rows_per_part`` to
+    ``(part + 1) * rows_per_part`` only (the part this rank's query heads use), so each
+    rank's weight gradient is partial and is all-reduced over TP inside the autograd
+    graph (the parameters are marked sequence-parallel and not tensor-parallel: counted
+    once in the grad norm). The input is all-gathered (``sequence_parallel``) or copied
+    into the TP region, whose backward sums the ranks' input gradients. The weight is
+    drawn whole from the default RNG (fp32, as at TP=1), like the other layers' weights.
+    """
+
+    def __init__(self, input_size: int, output_size: int, rows_per_part: int,
+                 bias: bool = True, init_method: InitMethod | None = None,
+                 tp_group: dist.ProcessGroup | None = None, *, sequence_parallel: bool = False,
+                 sequence_dim: int = 0) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        self.rows_per_part = rows_per_part
+        master = torch.empty(output_size, input_size, dtype=torch.float32)
+        (init_method or init_method_normal())(master)
+        self.weight = nn.Parameter(master)
+        self.bias = nn.Parameter(torch.zeros(output_size)) if bias else None
+        for p in self.parameters():
+            p.tensor_model_parallel = False
+            mark_sequence_parallel(p)
+
+    def forward(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim, self.tp_group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        w = reduce_grad_over_tensor_model_parallel_region(self.weight, self.tp_group)
+        rows = slice(part * self.rows_per_part, (part + 1) * self.rows_per_part)
+        b = self.bias
+        if b is not None:
+            b = reduce_grad_over_tensor_model_parallel_region(b, self.tp_group)[rows]
+        return F.linear(x, w[rows], b)  # (..., rows_per_part)

@@ -50,22 +50,28 @@ def test_unknown_setup_is_refused(capsys):
     assert (a.num_layers, a.hidden_size, a.setups[0]) == (3, 768, "ddp")  # torch: 1 rank
 
 
-def test_gelu_gemm_fusion_only_where_no_autocast():
-    """The fused MLP needs one dtype throughout: the autocast setups (torch, DDP, ZeRO-1)
-    run unfused and their config (hence their JSON row) says so; the bf16-parameter
-    setups and FSDP2 take it."""
+def test_fusion_flags_force_the_ops_paths():
+    """The bench-only --X-fusion flags set ``tp.fused_paths`` in the workers: unset, the
+    ops decide (as in the example); given, forced on or off (the fused MLP still only
+    where its dtypes allow: the autocast setups (torch, DDP, ZeRO-1) stay unfused)."""
     import argparse
 
     sys.path.insert(0, str(REPO / "bench"))
+    import bench_gpt_peers
     import gpt_peers_worker as worker
 
     p = argparse.ArgumentParser()
     worker.add_shape_args(p)
-    a = p.parse_args(["--openai-gelu", "--gelu-gemm-fusion", "--grad-acc", "4"])
-    fused = {s: worker.model_config(a, s).gelu_gemm_fusion for s in worker.SETUPS}
-    assert fused == {s: s in ("dfa", "dfa-remainders", "adamw", "fsdp2") for s in worker.SETUPS}
-    a = p.parse_args(["--openai-gelu", "--no-gelu-gemm-fusion"])
-    assert not any(worker.model_config(a, s).gelu_gemm_fusion for s in worker.SETUPS)
+    a = p.parse_args([])
+    assert worker.fused_path_modes(a) == dict.fromkeys(worker.FUSION_FLAGS.values(), "auto")
+    a = p.parse_args(["--openai-gelu", "--gelu-gemm-fusion", "--no-layernorm-fusion"])
+    modes = worker.fused_path_modes(a)
+    assert (modes["gelu_gemm"], modes["layer_norm"], modes["heads_grad"]) == \
+        ("on", "off", "auto")
+    argv = bench_gpt_peers.worker_argv(bench_gpt_peers.parse_args(
+        ["--cpu", "--gelu-gemm-fusion", "--no-layernorm-fusion"]), "dfa", Path("r.json"))
+    assert "--gelu-gemm-fusion" in argv and "--no-layernorm-fusion" in argv
+    assert "--heads-grad-fusion" not in argv and "--no-heads-grad-fusion" not in argv
 
 
 def _row(setup, mfu, **kw):

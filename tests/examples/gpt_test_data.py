@@ -1,10 +1,14 @@
-"""The small corpora the GPT example's tests train on (prepared once per pytest session)."""
+"""The small corpora the GPT example's tests train on (prepared once per pytest session),
+and what the tests read back from the checkpoints it writes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from examples.gpt import data
+import torch
+
+from examples.gpt import checkpointing, data
+from mpzero.checkpoint import __main__ as ckpt_tool
 
 
 def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int) -> Path:
@@ -13,3 +17,21 @@ def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int)
     if not data.is_prepared(out):
         data.prepare(data.CorpusConfig(max_mb=max_mb, vocab_size=vocab_size), out, quiet=True)
     return out
+
+
+def verify_all(ckpt: str | Path) -> list[str]:
+    """Problems of one of the example's checkpoints: no (valid) manifest, i.e. a save that
+    did not finish, or a file of the manifest missing or not matching its checksum (as
+    ``python -m mpzero.checkpoint inspect`` checks them); [] when sound."""
+    try:
+        checkpointing.read_manifest(ckpt)  # the tool also takes a bare DCP folder
+    except checkpointing.CheckpointError as e:
+        return [str(e)]
+    return [f"{name}: {status}" for name, _, status in ckpt_tool.check(Path(ckpt))
+            if status != "ok"]
+
+
+def merged_model(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The full (TP=1) model state dict of a checkpoint, every file verified first (the
+    tool's ``consolidate``)."""
+    return ckpt_tool._load_verified(Path(ckpt))["model"]

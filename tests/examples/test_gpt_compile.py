@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from examples.gpt import arg_checks, compiling, train
+from examples.gpt import compiling, config
 from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 
@@ -81,16 +81,12 @@ def _attention_backends():
         torch.testing.assert_close(out[backend][0], out["math"][0], rtol=1e-5, atol=1e-6)
         for g, ref in zip(out[backend][1], out["math"][1]):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6)
-    args = train.parse_args(["--attention-backend", "cudnn"])
-    assert arg_checks.model_config(args, 256).attention_backend == "cudnn"
-    default = arg_checks.model_config(train.parse_args([]), 256)
+    def gpt(argv):
+        return config.parse_args(argv).updated(padded_vocab_size=256).gpt()
+
+    assert gpt(["--attention-backend", "cudnn"]).attention_backend == "cudnn"
+    default = gpt([])
     assert default.attention_backend == "auto"
-    assert default.heads_grad_fusion  # --heads-grad-fusion is on unless turned off
-    off = arg_checks.model_config(train.parse_args(["--no-heads-grad-fusion"]), 256)
-    assert not off.heads_grad_fusion
-    assert default.layernorm_fusion  # --layernorm-fusion is on unless turned off
-    off = arg_checks.model_config(train.parse_args(["--no-layernorm-fusion"]), 256)
-    assert not off.layernorm_fusion
     ps.destroy_model_parallel()
     return True
 
@@ -105,4 +101,4 @@ def test_attention_backend_errors():
     with pytest.raises(ValueError, match="attention_backend"):
         GPTConfig(**CFG, attention_backend="fa3")
     with pytest.raises(SystemExit):
-        train.parse_args(["--attention-backend", "fa3"])
+        config.parse_args(["--attention-backend", "fa3"])

@@ -34,7 +34,7 @@ NAN_GPT = Path(__file__).resolve().parent / "gpt_nan_injection.py"
 
 
 import gpt_jobs  # noqa: E402
-from gpt_test_data import prepared_corpus  # noqa: E402
+from gpt_test_data import prepared_corpus, verify_all  # noqa: E402
 
 # Seconds a job may take before the test calls it hung (a few seconds when idle).
 JOB = 300
@@ -226,7 +226,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(saved, data_dir, 
         assert "saved checkpoint iter 6" not in text[0]
         assert (ckpt / "latest").read_bytes() == latest
         assert (ckpt / "iter_0000004" / "manifest.json").read_bytes() == manifest
-        assert checkpointing.verify_all(ckpt / "iter_0000004") == []
+        assert verify_all(ckpt / "iter_0000004") == []
         codes, text = _resume(data_dir, ckpt, tmp_path)
         assert codes == [0, 0], text
         assert "loaded checkpoint iter 4 from" in text[0]
@@ -337,7 +337,7 @@ def test_kill_9_of_one_rank_stops_every_rank(data_dir, tmp_path):
     # when rank 2 dies in that barrier the save is complete (the manifest comes after
     # every rank's files) but not printed, and the relaunch rightly resumes from it.
     last = max(int(d.name[5:]) for d in checkpointing.list_checkpoints(ckpt)
-               if not checkpointing.verify_all(d))
+               if not verify_all(d))
     assert last >= printed
     relaunch = tmp_path / "relaunch"
     relaunch.mkdir()

@@ -4,7 +4,6 @@ and for token ids the vocabulary does not cover, and a torchrun run with the new
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import struct
@@ -118,21 +117,20 @@ def test_tokenizer_file_writes_decodable_documents(indexed):
 
 
 def test_load_data_rejects_a_vocabulary_that_does_not_fit(indexed, tmp_path):
-    from examples.gpt import train
+    from examples.gpt.config import DataConfig
 
     root, _, texts = indexed
     small = data.BPETokenizer.train(texts[:5], 300)
     small.save(tmp_path / "small.json")
-    args = argparse.Namespace(data_path=str(root / "corpus"), split="969,30,1",
-                              tokenizer_file=str(tmp_path / "small.json"), data_dir=None)
+    d = DataConfig(data_path=str(root / "corpus"), tokenizer_file=str(tmp_path / "small.json"))
     with pytest.raises(ValueError, match="does not fit a vocabulary of 300"):
-        train.load_data(args)
-    args.tokenizer_file = str(root / "tokenizer.json")
-    train_tokens, val, vocab = train.load_data(args)
+        data.load_splits(d)
+    d = DataConfig(data_path=str(root / "corpus"), tokenizer_file=str(root / "tokenizer.json"))
+    train_tokens, val, vocab = data.load_splits(d)
     assert vocab == 512 and len(train_tokens) > 10 * len(val) > 0
-    args.tokenizer_file = str(tmp_path / "missing.json")
+    d = DataConfig(data_path=str(root / "corpus"), tokenizer_file=str(tmp_path / "missing.json"))
     with pytest.raises(FileNotFoundError, match="missing.json"):
-        train.load_data(args)
+        data.load_splits(d)
 
 
 def _torchrun(nproc, extra, log):

@@ -29,7 +29,7 @@ SBATCH = REPO / "examples" / "gpt" / "slurm" / "pretrain_gpt.sbatch"
 
 
 import gpt_jobs  # noqa: E402
-from gpt_test_data import prepared_corpus  # noqa: E402
+from gpt_test_data import prepared_corpus, verify_all  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real torchrun jobs
 
@@ -141,7 +141,7 @@ def test_signal_to_torchrun_saves_and_the_checkpoint_resumes(data_dir, tmp_path,
     it = int(re.search(r"saved checkpoint iter (\d+) ", text).group(1))
     assert f"exiting at iteration {it} (signal {sig.name})" in text
     assert checkpointing.read_latest(ckpt).name == f"iter_{it:07d}"
-    assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
+    assert verify_all(ckpt / f"iter_{it:07d}") == []
     # The save resumes (same command, one more iteration).
     relog = tmp_path / "resume.log"
     # One more iteration: the lr schedule stays the checkpoint's (a shorter --train-iters
@@ -199,7 +199,7 @@ def test_sigusr1_to_the_batch_shell_reaches_the_ranks(data_dir, tmp_path):
     assert gpt_jobs.wait_gone(pids, 60) == []
     it = int(re.search(r"saved checkpoint iter (\d+) ", text).group(1))
     assert f"exiting at iteration {it} (signal SIGUSR1)" in text
-    assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
+    assert verify_all(ckpt / f"iter_{it:07d}") == []
 
 
 @pytest.mark.timeout(900)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from examples.gpt.model import GPT, GPTConfig, flops_per_token
+from examples.gpt.logging_utils import flops_per_token, num_parameters
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
@@ -89,7 +90,7 @@ def test_gqa_tp4(world):
 def test_parameter_count_and_flops(name):
     cfg = GPTConfig(**{**CFG, **VARIANTS[name]})
     model = GPT(cfg)
-    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert num_parameters(model.cfg) == sum(p.numel() for p in model.parameters())
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     # Every matrix but the lookup tables; a tied token table counts as the output layer.
     lookups = ("wpe", "wte") if cfg.untie_embeddings_and_output_weights else ("wpe",)

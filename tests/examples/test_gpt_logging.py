@@ -1,11 +1,11 @@
-"""examples/gpt/logging_utils.py and train.py's flag checks (no training)."""
+"""examples/gpt/logging_utils.py and config.py's flag checks (no training)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from examples.gpt import logging_utils, train
+from examples.gpt import config, logging_utils
 
 GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 
@@ -69,25 +69,23 @@ def test_other_ranks_write_nothing(tmp_path, capsys):
 ])
 def test_contradictory_flags_fail_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        config.parse_args(argv)
     assert flag in capsys.readouterr().err
 
 
 def test_warmup_longer_than_training_warns(capsys):
-    train.parse_args(["--train-iters", "10", "--lr-warmup-iters", "20"])
+    config.parse_args(["--train-iters", "10", "--lr-warmup-iters", "20"])
     assert "--lr-warmup-iters (20) > --train-iters (10)" in capsys.readouterr().err
 
 
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        config.parse_args(["--help"])
     out = capsys.readouterr().out
     assert "(default: 4)" in out and "(default: 0.0006)" in out
 
 
 def test_architecture_checked_before_anything_is_loaded(tmp_path):
-    import argparse
-
     from examples.gpt import checkpointing, resume
 
     ckpt = checkpointing.iteration_dir(tmp_path, 10)
@@ -96,8 +94,7 @@ def test_architecture_checked_before_anything_is_loaded(tmp_path):
              "ffn_hidden_size": 256, "seq_length": 32, "padded_vocab_size": 512}
     manifest = {"format": checkpointing.FORMAT, "args": saved, "files": {}}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    args = argparse.Namespace(load=str(tmp_path), load_iteration=None, **saved)
-    resume.check_architecture(args, ckpt, manifest)  # same shape: fine (no model file)
-    args.hidden_size = 128
+    cfg = config.Config().updated(load=str(tmp_path), **saved)
+    resume.check_architecture(cfg, ckpt, manifest)  # same shape: fine (no model file)
     with pytest.raises(checkpointing.CheckpointError, match="--hidden-size=128"):
-        resume.check_architecture(args, ckpt, manifest)
+        resume.check_architecture(cfg.updated(hidden_size=128), ckpt, manifest)

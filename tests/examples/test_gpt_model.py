@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from examples.gpt.model import GPT, GPTConfig, flops_per_token, padded_vocab_size
+from examples.gpt.config import padded_vocab_size
+from examples.gpt.logging_utils import flops_per_token, num_parameters
+from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
+from mpzero import tensor_parallel as tp
 
 CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 
@@ -131,7 +134,7 @@ def test_param_groups_exclude_bias_norm_and_embeddings():
 def test_parameter_count_and_flops():
     cfg = GPTConfig(**CFG)
     model = GPT(cfg)
-    assert model.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert num_parameters(model.cfg) == sum(p.numel() for p in model.parameters())
     h, L, s, V = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.vocab_size
     matmul_params = L * (12 * h * h) + V * h  # QKV + proj + 2 MLP matrices, tied head
     assert flops_per_token(cfg) == 6 * matmul_params + 12 * L * s * h
@@ -197,10 +200,10 @@ def _fusion_vs_plain(tp_size: int, extra: dict | None = None) -> bool:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp_size)
     params = {}
     for fusion in (True, False):
-        cfg = GPTConfig(**CFG, **extra, gradient_accumulation_fusion=fusion,
-                        gelu_gemm_fusion=fusion and fused_mlp)
+        cfg = GPTConfig(**CFG, **extra)
         torch.manual_seed(1234)
         model = GPT(cfg)
+        mlp_mode = "on" if fusion and fused_mlp else "auto"
         opt = optim.build_optimizer(model, lr=1e-3, weight_decay=0.1,
                                     betas=(0.9, 0.95), eps=1e-8, device=torch.device("cpu"),
                                     bucket_cap_mb=0.01, gradient_accumulation_fusion=fusion)
@@ -209,7 +212,8 @@ def _fusion_vs_plain(tp_size: int, extra: dict | None = None) -> bool:
         for step in range(2):
             for m in range(3):
                 ids, targets = _batch(cfg, 2 + m + step)
-                with optim.no_sync(opt) if m < 2 else torch.enable_grad():
+                with (optim.no_sync(opt) if m < 2 else torch.enable_grad(),
+                      tp.fused_paths(mlp_mode, ["gelu_gemm"])):
                     model(ids, targets).div(3).backward()
                 if fusion:
                     assert model.blocks[0].mlp.fc.weight.grad is None
@@ -236,10 +240,13 @@ def test_gradient_accumulation_fusion_trains_like_plain(world, size, tp, extra):
 def test_gradient_accumulation_fusion_flag():
     """``--gradient-accumulation-fusion``: on by default with DistributedFusedAdam and
     several micro-batches (no autocast), as given otherwise."""
-    from examples.gpt import arg_checks, train
+    from examples.gpt import config
 
     def resolved(flags, grad_acc):
-        return arg_checks.grad_accumulation_fusion(train.parse_args(flags), grad_acc)
+        cfg = config.parse_args(["--micro-batch-size", "1", "--global-batch-size",
+                                 str(grad_acc), *flags])
+        return cfg.resolve(cpu=True, dp_size=1, vocab_size=64).optimizer \
+            .gradient_accumulation_fusion
 
     assert resolved([], 4) and not resolved([], 1)
     assert not resolved(["--autocast-bf16"], 4)
@@ -260,59 +267,67 @@ def _graph_names(t: torch.Tensor) -> str:
     return " ".join(names)
 
 
-def _same_model_either_way(check=None, **cfg):
-    """Loss and every gradient of ``GPT(GPTConfig(**CFG, **cfg, <option>=False))`` and of
-    the same with ``True`` (the ``option`` key of ``cfg`` names it) are equal; ``check``
-    (model, fusion) asserts what the option changed."""
-    option = cfg.pop("option")
+def _same_model_either_way(ops: list[str], check=None, **cfg):
+    """Loss and every gradient of ``GPT(GPTConfig(**CFG, **cfg))`` are equal with the
+    fused paths of ``ops`` off and on (``tp.fused_paths``, on: also where only the
+    PyTorch reference of a kernel exists, as on the CPU); ``check(model, fused)`` asserts
+    which path the model took."""
     out = {}
-    for fusion in (False, True):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**CFG, **cfg, **{option: fusion}))
-        if check is not None:
-            check(model, fusion)
-        ids, targets = _batch(model.cfg)
-        with torch.no_grad():  # nonzero biases, so a dropped bias would show
-            model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
-        loss = model(ids, targets)
-        loss.backward()
-        out[fusion] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    for fused in (False, True):
+        with tp.fused_paths("on" if fused else "off", ops):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**CFG, **cfg))
+            ids, targets = _batch(model.cfg)
+            with torch.no_grad():  # nonzero biases, so a dropped bias would show
+                model.blocks[0].mlp.fc.bias.normal_(generator=torch.Generator().manual_seed(1))
+            if check is not None:
+                check(model, fused)
+            loss = model(ids, targets)
+            loss.backward()
+        out[fused] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
     for name, g in out[False][1].items():
         torch.testing.assert_close(out[True][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("openai_gelu", [False, True])
-def test_bias_gelu_fusion_is_the_same_model(openai_gelu):
-    """``bias_gelu_fusion`` (``--bias-gelu-fusion``): the same loss and gradients (fc adds
-    its bias inside the GELU op instead of in its GEMM)."""
-    def check(model, fusion):
-        assert model.blocks[0].mlp.fc.skip_bias_add == fusion
+def _mlp_graph(model) -> str:
+    x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
+    return _graph_names(model.blocks[0].mlp(x))
 
-    _same_model_either_way(check, option="bias_gelu_fusion", openai_gelu=openai_gelu)
+
+@pytest.mark.parametrize("openai_gelu", [False, True])
+def test_bias_gelu_path_is_the_same_model(openai_gelu):
+    """The MLP's bias-GELU path (``tp.bias_gelu``: fc's GEMM without its bias, the bias
+    gradient in the GELU's backward) gives the unfused model's loss and gradients."""
+    def check(model, fused):
+        assert ("_BiasGeluBackward" in _mlp_graph(model)) == fused
+
+    _same_model_either_way(["bias_gelu"], check, openai_gelu=openai_gelu)
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_gelu_gemm_fusion_is_the_same_model(keep):
-    """``gelu_gemm_fusion`` (``--gelu-gemm-fusion``): the MLP as one fused function
-    (GELU in the GEMMs' epilogues; the PyTorch reference of those GEMMs on the CPU) gives
-    the unfused model's loss and gradients; under autocast it stays unfused."""
-    def check(model, fusion):
-        x = torch.randn(2, 3, CFG["hidden_size"])
-        assert model.blocks[0].mlp._gemm_fusion_applies(x) == fusion
+def test_gelu_gemm_path_is_the_same_model(keep):
+    """The MLP as one fused function (GELU in the GEMMs' epilogues; the PyTorch reference
+    of those GEMMs on the CPU) gives the unfused model's loss and gradients; it needs the
+    tanh GELU, and under autocast the MLP stays unfused."""
+    def check(model, fused):
+        assert ("_GeluMLPBackward" in _mlp_graph(model)) == fused
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not model.blocks[0].mlp._gemm_fusion_applies(x)
+            assert "_GeluMLPBackward" not in _mlp_graph(model)
 
-    _same_model_either_way(check, option="gelu_gemm_fusion", openai_gelu=True,
+    _same_model_either_way(["gelu_gemm"], check, openai_gelu=True,
                            gelu_gemm_keep_output=keep)
+    with tp.fused_paths("on", ["gelu_gemm"]):  # erf GELU: no epilogue computes it
+        torch.manual_seed(0)
+        assert "_GeluMLPBackward" not in _mlp_graph(GPT(GPTConfig(**CFG)))
 
 
 @pytest.mark.parametrize("groups", [None, 2])
-def test_heads_grad_fusion_is_the_same_model(groups):
-    """``heads_grad_fusion`` (``--heads-grad-fusion``, on by default): the QKV (or Q and
-    KV) projections' one-pass backward gives the unfused model's loss and gradients; the
-    projections' outputs come from the fused function exactly when it is on."""
-    def check(model, fusion):
+def test_heads_grad_path_is_the_same_model(groups):
+    """The QKV (or Q and KV) projections' one-pass backward gives the unfused model's
+    loss and gradients; the projections' outputs come from the fused function exactly
+    when it is on."""
+    def check(model, fused):
         attn = model.blocks[0].attn
         projections = [attn.qkv] if groups is None else [attn.q, attn.kv]
         with torch.no_grad():  # nonzero biases, so a wrong bias gradient would show
@@ -320,56 +335,42 @@ def test_heads_grad_fusion_is_the_same_model(groups):
                 lin.bias.normal_(generator=torch.Generator().manual_seed(2 + k))
         x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
         names = {type(t.grad_fn).__name__ for t in attn._qkv(x)}
-        assert (names == {"_LinearHeadsBackward"}) == fusion, names
+        assert (names == {"_LinearHeadsBackward"}) == fused, names
 
-    _same_model_either_way(check, option="heads_grad_fusion", num_query_groups=groups)
+    _same_model_either_way(["heads_grad"], check, num_query_groups=groups)
+
+
+def test_fused_paths_chosen_on_the_cpu():
+    """On the CPU by default (``auto``) the norms and the heads' backward take their fused
+    paths (the kernels' PyTorch reference: one code path everywhere), the MLP its plain
+    one (the bias-GELU and GELU-in-GEMM references only pay with the CUDA extension)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, openai_gelu=True))
+    x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
+    block = _graph_names(model.blocks[0](x))
+    assert "mpzero_layer_norm_forward" in block and "_LinearHeadsBackward" in block
+    assert "_GeluMLPBackward" not in block and "_BiasGeluBackward" not in block
+    with tp.fused_paths("off"):
+        block = _graph_names(model.blocks[0](x))
+    assert "mpzero_layer_norm_forward" not in block and "_LinearHeadsBackward" not in block
+    with pytest.raises(ValueError, match="no fused path named"):
+        tp.set_fused_paths("on", ["layernorm"])
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_layernorm_fusion_is_the_same_model(normalization):
-    """``layernorm_fusion`` (``--layernorm-fusion``): the blocks' norms (LayerNorm or
-    RMSNorm) by the fused ops (ln_2 with the residual add before it) give the unfused
-    model's loss and gradients, and the block runs them exactly when the option is on;
-    under autocast it stays unfused."""
-    def check(model, fusion):
+def test_layer_norm_path_is_the_same_model(normalization):
+    """The blocks' norms (LayerNorm or RMSNorm) by the fused ops (ln_2 with the residual
+    add before it) give the unfused model's loss and gradients, and the block runs them
+    exactly when they are on; under autocast it stays unfused."""
+    def check(model, fused):
         block = model.blocks[0]
         with torch.no_grad():  # a non-trivial norm, so a wrong weight/bias gradient shows
             block.ln_2.weight.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(4))
         x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
-        assert block.ln_1.fusable(x)
+        assert ("mpzero_layer_norm_forward" in _graph_names(block(x))) == fused
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not block.ln_1.fusable(x)
-        assert block.layernorm_fusion == fusion
-        assert ("mpzero_layer_norm_forward" in _graph_names(block(x))) == fusion
+            assert "mpzero_layer_norm_forward" not in _graph_names(block(x))
 
-    _same_model_either_way(check, option="layernorm_fusion", normalization=normalization)
+    _same_model_either_way(["layer_norm"], check, normalization=normalization)
 
 
-def test_gelu_gemm_fusion_needs_tanh_gelu():
-    with pytest.raises(ValueError, match="openai_gelu"):
-        GPTConfig(**CFG, gelu_gemm_fusion=True)
-    with pytest.raises(ValueError, match="swiglu"):
-        GPTConfig(**CFG, openai_gelu=True, swiglu=True, gelu_gemm_fusion=True)
-
-
-def test_gelu_gemm_fusion_flag(monkeypatch):
-    """``--gelu-gemm-fusion``: as given, or (default) on with --openai-gelu --bf16 on a GPU
-    with the extension's GEMMs; without --openai-gelu (or with --swiglu) it is refused."""
-    from examples.gpt import arg_checks, train
-    from mpzero import kernels
-
-    def resolved(flags):
-        return arg_checks.gelu_gemm_fusion(train.parse_args(flags))
-
-    monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: True)
-    assert resolved(["--openai-gelu", "--bf16"])
-    assert not resolved(["--openai-gelu"])  # fp32 parameters
-    assert not resolved(["--bf16"])  # exact GELU
-    assert not resolved(["--openai-gelu", "--bf16", "--cpu"])
-    assert not resolved(["--openai-gelu", "--bf16", "--no-gelu-gemm-fusion"])
-    assert resolved(["--openai-gelu", "--gelu-gemm-fusion", "--cpu"])
-    monkeypatch.setattr(kernels, "gemm_gelu_available", lambda *t: False)
-    assert not resolved(["--openai-gelu", "--bf16"])
-    for flags in (["--gelu-gemm-fusion"], ["--gelu-gemm-fusion", "--openai-gelu", "--swiglu"]):
-        with pytest.raises(SystemExit):
-            train.parse_args(flags)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.gpt import train
+from examples.gpt import config
 
 REPO = Path(__file__).resolve().parents[2]
 GPT = ["-m", "examples.gpt.train"]  # run from the checkout (cwd, PYTHONPATH)
@@ -69,7 +69,7 @@ def losses(log: Path) -> list[float]:
 ])
 def test_conflicting_precision_flags_name_both(argv, flags, capsys):
     with pytest.raises(SystemExit) as exc:
-        train.parse_args(argv)
+        config.parse_args(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     for flag in flags:
@@ -77,7 +77,7 @@ def test_conflicting_precision_flags_name_both(argv, flags, capsys):
 
 
 def test_compile_mode_without_compile_warns(capsys):
-    train.parse_args(["--compile-mode", "model"])
+    config.parse_args(["--compile-mode", "model"])
     assert "--compile-mode model has no effect without --compile" in capsys.readouterr().err
 
 

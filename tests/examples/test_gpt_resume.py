@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.gpt import checkpointing, resume, train
+from examples.gpt import checkpoint_choice, checkpointing, config, optim, resume
 from examples.gpt.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,10 +41,8 @@ def _args(*extra: str, load: Path | None = None):
     """The command line as train.main sees it before resuming (with the sizes it
     computes from the data)."""
     argv = [*MODEL, *extra] + (["--load", str(load)] if load is not None else [])
-    args = train.parse_args(argv)
-    args.padded_vocab_size = 128
-    args.ffn_hidden_size = 4 * args.hidden_size
-    return args
+    cfg = config.parse_args(argv)
+    return cfg.updated(padded_vocab_size=128, ffn_hidden_size=4 * cfg.model.hidden_size)
 
 
 def _save(root: Path, iteration: int, *extra: str, ckpt_format: str = "torch",
@@ -52,13 +50,14 @@ def _save(root: Path, iteration: int, *extra: str, ckpt_format: str = "torch",
     """A real checkpoint (one process) whose manifest records the command line
     (``optimizer``: the ``--optimizer`` the example had before it trained only with
     DistributedFusedAdam, as such a checkpoint records it)."""
-    args = _args(*extra)
+    cfg = _args(*extra)
+    o = cfg.optimizer
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, seq_length=8, num_layers=1, hidden_size=16,
-                          num_attention_heads=args.num_attention_heads))
-    opt = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.lr,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    saved = vars(args) if optimizer is None else {**vars(args), "optimizer": optimizer}
+                          num_attention_heads=cfg.model.num_attention_heads))
+    opt = torch.optim.AdamW(model.param_groups(o.weight_decay), lr=o.lr,
+                            betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    saved = cfg.flat() if optimizer is None else {**cfg.flat(), "optimizer": optimizer}
     return checkpointing.save_checkpoint(root, iteration, model, opt, args=saved,
                                          data_state={}, ckpt_format=ckpt_format)
 
@@ -74,7 +73,7 @@ def test_architecture_is_checked_against_the_checkpoint_chosen(tmp_path):
                            match="iter_0000020 has num_attention_heads=2, this run has "
                                  "--num-attention-heads=4"):
             resume.prepare(_args("--num-attention-heads", "4", load=tmp_path))
-    ckpt, manifest, _ = resume.prepare(_args(load=tmp_path))
+    ckpt, manifest, *_ = resume.prepare(_args(load=tmp_path))
     assert ckpt.name == "iter_0000020" and manifest["iteration"] == 20
 
 
@@ -93,24 +92,29 @@ def test_changed_optimizer_flags_need_a_side(tmp_path, capsys, flags, saved_valu
         resume.prepare(_args(*flags, load=tmp_path))
     assert message in str(info.value)
     assert resume.USE_CHECKPOINT in str(info.value) and resume.OVERRIDE in str(info.value)
-    # The command line wins: args keep its values, the line says so.
+    key = flags[0][2:].replace("-", "_")
+    # The command line wins: the configuration keeps its values, the line says so.
     args = _args(*flags, "--override-opt-param-scheduler", load=tmp_path)
-    *_, lines = resume.prepare(args)
+    _, _, lines, cfg = resume.prepare(args)
     assert "from the command line" in lines[0] and flags[0] in lines[0]
-    assert getattr(args, flags[0][2:].replace("-", "_")) == float(flags[1])
-    # The checkpoint wins: args take its values (so does the next save's manifest).
+    assert cfg is args and cfg.flat()[key] == float(flags[1])
+    # The checkpoint wins: a new configuration with its values (so has the next save's
+    # manifest); the one parsed is left as it was.
     args = _args(*flags, "--use-checkpoint-opt-param-scheduler", load=tmp_path)
-    *_, lines = resume.prepare(args)
+    _, _, lines, cfg = resume.prepare(args)
+    assert args.flat()[key] == float(flags[1])
     shown = f"{flags[0]}) {saved_value}" if flags[0] == "--train-iters" else \
         f"{flags[0]} {saved_value}"
     assert "from the checkpoint" in lines[0] and shown in lines[0], lines
     if flags[0] == "--train-iters":  # the run length is the command line's; the decay not
-        assert args.train_iters == 500 and args.lr_decay_iters == 1000
-        assert train.lr_at(300, args) == train.lr_at(300, _args())
+        assert cfg.training.train_iters == 500 and cfg.optimizer.lr_decay_iters == 1000
+        default = _args()
+        assert optim.lr_at(300, cfg.optimizer, 500) == \
+            optim.lr_at(300, default.optimizer, default.training.train_iters)
     else:
-        assert getattr(args, flags[0][2:].replace("-", "_")) == saved_value
+        assert cfg.flat()[key] == saved_value
     # The same values: nothing to decide; Megatron's spelling of the flags is accepted.
-    *_, lines = resume.prepare(_args("--override-opt_param-scheduler", load=tmp_path))
+    _, _, lines, _ = resume.prepare(_args("--override-opt_param-scheduler", load=tmp_path))
     assert "agree" in lines[0]
 
 
@@ -122,15 +126,16 @@ def test_the_decay_length_is_what_counts(tmp_path):
 
 def test_both_sides_at_once_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
-        train.parse_args([*MODEL, "--override-opt-param-scheduler",
-                                 "--use-checkpoint-opt-param-scheduler"])
+        config.parse_args([*MODEL, "--override-opt-param-scheduler",
+                           "--use-checkpoint-opt-param-scheduler"])
     assert info.value.code == 2
     assert "contradict each other" in capsys.readouterr().err
 
 
 def test_no_load_optim_takes_optimizer_flags_from_the_command_line(tmp_path):
     _save(tmp_path, 5)
-    *_, lines = resume.prepare(_args("--adam-beta1", "0.5", "--no-load-optim", load=tmp_path))
+    _, _, lines, _ = resume.prepare(_args("--adam-beta1", "0.5", "--no-load-optim",
+                                          load=tmp_path))
     assert any("--no-load-optim" in line for line in lines)
     with pytest.raises(checkpointing.CheckpointMismatch, match="--lr is"):  # the schedule
         resume.prepare(_args("--lr", "1e-2", "--no-load-optim", load=tmp_path))
@@ -165,7 +170,8 @@ def _dfa_state_into_adamw(root: str, fmt: str):
     before = {k: v.clone() for k, v in other.state_dict().items()}
     adamw = torch.optim.AdamW(other.param_groups(0.1), lr=1e-3)
     try:
-        checkpointing.load_checkpoint(root, other, adamw)
+        checkpointing.load_checkpoint(checkpoint_choice.choose_checkpoint(root), other,
+                                     adamw)
     except checkpointing.CheckpointError as e:
         assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
         return str(e)
@@ -187,7 +193,7 @@ def test_missing_load_directory(tmp_path):
         resume.prepare(_args(load=tmp_path / "empty"))
     # Starting from scratch on purpose: --load is also --save, or --allow-missing-load.
     for extra in (["--save", str(missing)], ["--allow-missing-load"]):
-        ckpt, _, lines = resume.prepare(_args(*extra, load=missing))
+        ckpt, _, lines, _ = resume.prepare(_args(*extra, load=missing))
         assert ckpt is None and "starting from scratch" in lines[0]
 
 
@@ -231,7 +237,7 @@ def test_a_crafted_torch_file_is_skipped_not_unpickled(tmp_path, capsys):
     buf = __import__("io").BytesIO()
     torch.save({"model": Payload(str(marker))}, buf)
     _replace(newest, "model_tp00.pt", buf.getvalue())
-    ckpt, manifest, _ = resume.prepare(_args(load=tmp_path))
+    ckpt, manifest, *_ = resume.prepare(_args(load=tmp_path))
     assert ckpt.name == "iter_0000010"  # fell back like for any other bad file
     out = capsys.readouterr().out
     assert "skipping checkpoint" in out and "refused by torch.load(weights_only=True)" in out
@@ -263,14 +269,14 @@ def _dcp_crafted(root: str, marker: str):
         md = Path(root) / "iter_0000002" / "dcp"
         _replace(md.parent, "dcp/.metadata", pickle.dumps(Payload(marker)))
     dist.barrier()
-    chosen = checkpointing.choose_checkpoint(root)
-    manifest = checkpointing.load_checkpoint(root, model, opt, ckpt=chosen)
+    chosen = checkpoint_choice.choose_checkpoint(root)
+    manifest = checkpointing.load_checkpoint(chosen, model, opt)
     dist.barrier()  # every rank has read iteration 1 (its RNG file too) before it goes
     if dist.get_rank() == 0:
         shutil.rmtree(Path(root) / "iter_0000001")
     dist.barrier()
     try:
-        checkpointing.load_checkpoint(root, model, opt)
+        checkpointing.load_checkpoint(checkpoint_choice.choose_checkpoint(root), model, opt)
     except checkpointing.CheckpointError as e:
         return manifest["iteration"], str(e)
     return manifest["iteration"], None

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from examples.gpt.model import GPT, GPTConfig
 from examples.gpt.optim import build_optimizer
 from mpzero import parallel_state as ps  # noqa: E402
+from mpzero import tensor_parallel as tp
 
 CFG = dict(vocab_size=128, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -35,7 +36,13 @@ def _gather(t, dim, group):
     return torch.cat(parts, dim)
 
 
-def _sp_with_dfa(tp_size: int, extra: dict) -> dict:
+def _sp_with_dfa(tp_size: int, extra: dict, norm_path: str = "auto") -> dict:
+    """``norm_path``: the norms' fused-path mode (``tp.fused_paths``) in both models."""
+    with tp.fused_paths(norm_path, ["layer_norm"]):
+        return _sp_with_dfa_run(tp_size, extra)
+
+
+def _sp_with_dfa_run(tp_size: int, extra: dict) -> dict:
     ids, targets = _batch(GPTConfig(**CFG))
     # Reference: TP=1, torch AdamW, the whole global batch on every rank.
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -116,12 +123,13 @@ def test_sequence_parallel_llama_blocks_with_dfa(world):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("blocks", ["gpt", "llama"])
-def test_sequence_parallel_with_layernorm_fusion(world, blocks):
-    """--layernorm-fusion under sequence parallelism (LayerNorm; RMSNorm in the llama
-    blocks): the fused norms' weight and bias gradients (partial over TP, each rank's
-    tokens) are all-reduced like the unfused ones."""
-    extra = {"layernorm_fusion": True, **(LLAMA if blocks == "llama" else {})}
-    for r in world(2, _sp_with_dfa, 2, extra):
+def test_sequence_parallel_with_plain_norms(world, blocks):
+    """Sequence parallelism with PyTorch's norms (LayerNorm; RMSNorm in the llama blocks;
+    ``tp.fused_paths("off")``; the other tests here run the fused ones, the CPU default):
+    their weight and bias gradients (partial over TP, each rank's tokens) are all-reduced
+    like the fused ones'."""
+    extra = LLAMA if blocks == "llama" else {}
+    for r in world(2, _sp_with_dfa, 2, extra, "off"):
         for got, ref in zip(r["losses"] + r["norms"], r["ref_losses"] + r["ref_norms"]):
             assert abs(got - ref) <= 1e-5 * abs(ref), r
         bad = {n: e for n, e in r["err"].items() if not e <= WEIGHT_TOL}

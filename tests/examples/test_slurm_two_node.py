@@ -45,6 +45,8 @@ from examples.gpt.model import GPT, GPTConfig
 from examples.gpt.plot_log import read_log
 from mpzero.checkpoint import dcp as mdcp
 
+from gpt_test_data import merged_model, verify_all  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 GPT_DIR = REPO / "examples" / "gpt"
 SBATCH = GPT_DIR / "slurm" / "pretrain_gpt.sbatch"
@@ -382,7 +384,7 @@ def test_sbatch_two_nodes_trains_and_checkpoints(cluster):
                     num_layers=args["num_layers"], hidden_size=args["hidden_size"],
                     num_attention_heads=args["num_attention_heads"])
     model = GPT(cfg)
-    model.load_state_dict(checkpointing.merge_tensor_parallel_shards(latest))
+    model.load_state_dict(merged_model(latest))
     got = _val_loss(model, data_dir, cfg.seq_length, 2 * 16, 4)
     assert got == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
     # The default format (torch_dist): the optimizer consolidates into a format-2 dict
@@ -440,7 +442,7 @@ def test_sbatch_preemption_saves_and_resumes(cluster):
     it = int(re.search(r"saved checkpoint iter (\d+) ", output).group(1))
     assert f"exiting at iteration {it} (signal SIGUSR1)" in output, output[-6000:]
     assert checkpointing.read_latest(ckpt).name == f"iter_{it:07d}"
-    assert checkpointing.verify_all(ckpt / f"iter_{it:07d}") == []
+    assert verify_all(ckpt / f"iter_{it:07d}") == []
     # No rank outlived the job on either node.
     for ns in cluster.ns[1:]:
         pids = run(["ip", "netns", "pids", ns], check=False).stdout.split()

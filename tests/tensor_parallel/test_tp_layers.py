@@ -293,3 +293,45 @@ def test_single_process_without_distributed():
     layer = ColumnParallelLinear(4, 6, gather_output=True)
     out, bias = layer(torch.ones(3, 4))
     assert out.shape == (3, 6) and bias is None and layer.tp_size == 1
+
+
+def _check_replicated_linear(sequence_parallel: bool) -> bool:
+    """Rank r applies rows ``r*k:(r+1)*k`` of the whole weight; the weight and bias
+    gradients are the sums over the ranks (all-reduced in the graph) and the input
+    gradient too (copy region), or each rank's chunk of it (sequence parallel)."""
+    from mpzero.tensor_parallel import ReplicatedLinear
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    r, k = ps.get_tensor_model_parallel_rank(), 3
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(5, 2 * k, k, sequence_parallel=sequence_parallel, sequence_dim=0)
+    with torch.no_grad():
+        layer.bias.normal_()
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x_full = _randn(1, 4, 5, dtype=torch.float32)
+    x = (x_full.chunk(2, 0)[r] if sequence_parallel else x_full).clone().requires_grad_()
+    y = layer(x, r)
+    rows = slice(r * k, (r + 1) * k)
+    torch.testing.assert_close(y, F.linear(x_full, w[rows], b[rows]))
+    g = [_randn(10 + q, 4, k, dtype=torch.float32) for q in range(2)]
+    y.backward(g[r])
+    want_w = torch.zeros_like(w)
+    want_b = torch.zeros_like(b)
+    want_x = torch.zeros_like(x_full)
+    for q in range(2):
+        rq = slice(q * k, (q + 1) * k)
+        want_w[rq] += g[q].t() @ x_full
+        want_b[rq] += g[q].sum(0)
+        want_x += g[q] @ w[rq]
+    torch.testing.assert_close(layer.weight.grad, want_w, **TOL[torch.float32])
+    torch.testing.assert_close(layer.bias.grad, want_b, **TOL[torch.float32])
+    want_x = want_x.chunk(2, 0)[r] if sequence_parallel else want_x
+    torch.testing.assert_close(x.grad, want_x, **TOL[torch.float32])
+    assert layer.weight.tensor_model_parallel is False and layer.weight.sequence_parallel
+    ps.destroy_model_parallel()
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_replicated_linear_sums_the_ranks_gradients(world, sequence_parallel):
+    assert all(world(2, _check_replicated_linear, sequence_parallel))
