@@ -352,3 +352,17 @@ def close_worlds() -> None:
 
 
 atexit.register(close_worlds)
+
+
+def autograd_node_names(t: torch.Tensor) -> str:
+    """The class names of every autograd node behind ``t``, joined by spaces (which ops a
+    forward recorded: e.g. whether a fused path ran)."""
+    seen, todo, names = set(), [t.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return " ".join(names)

@@ -163,3 +163,13 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+# The optimizer-state storage modes an offload test runs in (with the fp32 default).
+STATE_MODES = {
+    "fp32": {},
+    "remainders": dict(store_params=False, store_param_remainders=True,
+                       param_sync_dtype=torch.bfloat16),
+    "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
+                   param_sync_dtype=torch.bfloat16),
+}

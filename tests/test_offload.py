@@ -32,7 +32,16 @@ import torch.distributed as dist
 from mpzero.optimizers import DistributedFusedAdam, OptionError
 from mpzero.optimizers.offload_step import OffloadStepper
 
-from dfa_common import ATOL, RTOL, batches, groups_for, loss_fn, make_model, param_groups
+from dfa_common import (
+    ATOL,
+    RTOL,
+    STATE_MODES,
+    batches,
+    groups_for,
+    loss_fn,
+    make_model,
+    param_groups,
+)
 from offload_fakes import FakeBoundary
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,11 +51,7 @@ STEPS, LR = 3, 1e-3
 BF16_HALF_ULP = 2.0**-9
 
 MODES = {
-    "fp32": {},
-    "remainders": dict(store_params=False, store_param_remainders=True,
-                       param_sync_dtype=torch.bfloat16),
-    "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
-                   param_sync_dtype=torch.bfloat16),
+    **STATE_MODES,
     "no_master": dict(store_params=False),
     "grad_bf16": dict(grad_sync_dtype=torch.bfloat16),
     "contiguous": dict(contiguous_param_buffer=True, contiguous_grad_buffer=True),

@@ -12,19 +12,22 @@ import torch.distributed as dist
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.optimizers import DistributedFusedAdam
 
-from dfa_common import ATOL, RTOL, batches, groups_for, loss_fn, make_model, param_groups
+from dfa_common import (
+    ATOL,
+    RTOL,
+    STATE_MODES,
+    batches,
+    groups_for,
+    loss_fn,
+    make_model,
+    param_groups,
+)
 from offload_fakes import FakeBoundary
 
 pytestmark = pytest.mark.timeout(300)
 
 TINY = 24 * 4 / 2**20
-MODES = {
-    "fp32": {},
-    "remainders": dict(store_params=False, store_param_remainders=True,
-                       param_sync_dtype=torch.bfloat16),
-    "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
-                   param_sync_dtype=torch.bfloat16),
-}
+MODES = STATE_MODES
 SAVE_WORLD, STEPS = 2, 2
 
 

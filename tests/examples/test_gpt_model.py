@@ -11,6 +11,7 @@ from examples.gpt.logging_utils import flops_per_token, num_parameters
 from examples.gpt.model import GPT, GPTConfig
 from mpzero import parallel_state as ps  # noqa: E402
 from mpzero import tensor_parallel as tp
+from mpzero.testing import autograd_node_names
 
 CFG = dict(vocab_size=256, seq_length=16, num_layers=2, hidden_size=32, num_attention_heads=4)
 
@@ -254,17 +255,6 @@ def test_gradient_accumulation_fusion_flag():
     assert resolved(["--gradient-accumulation-fusion"], 1)
 
 
-def _graph_names(t: torch.Tensor) -> str:
-    """The names of every autograd node behind ``t``, joined."""
-    seen, todo, names = set(), [t.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return " ".join(names)
 
 
 def _same_model_either_way(ops: list[str], check=None, **cfg):
@@ -292,7 +282,7 @@ def _same_model_either_way(ops: list[str], check=None, **cfg):
 
 def _mlp_graph(model) -> str:
     x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
-    return _graph_names(model.blocks[0].mlp(x))
+    return autograd_node_names(model.blocks[0].mlp(x))
 
 
 @pytest.mark.parametrize("openai_gelu", [False, True])
@@ -347,11 +337,11 @@ def test_fused_paths_chosen_on_the_cpu():
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG, openai_gelu=True))
     x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
-    block = _graph_names(model.blocks[0](x))
+    block = autograd_node_names(model.blocks[0](x))
     assert "mpzero_layer_norm_forward" in block and "_LinearHeadsBackward" in block
     assert "_GeluMLPBackward" not in block and "_BiasGeluBackward" not in block
     with tp.fused_paths("off"):
-        block = _graph_names(model.blocks[0](x))
+        block = autograd_node_names(model.blocks[0](x))
     assert "mpzero_layer_norm_forward" not in block and "_LinearHeadsBackward" not in block
     with pytest.raises(ValueError, match="no fused path named"):
         tp.set_fused_paths("on", ["layernorm"])
@@ -367,9 +357,9 @@ def test_layer_norm_path_is_the_same_model(normalization):
         with torch.no_grad():  # a non-trivial norm, so a wrong weight/bias gradient shows
             block.ln_2.weight.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(4))
         x = torch.randn(2, 3, CFG["hidden_size"], requires_grad=True)
-        assert ("mpzero_layer_norm_forward" in _graph_names(block(x))) == fused
+        assert ("mpzero_layer_norm_forward" in autograd_node_names(block(x))) == fused
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert "mpzero_layer_norm_forward" not in _graph_names(block(x))
+            assert "mpzero_layer_norm_forward" not in autograd_node_names(block(x))
 
     _same_model_either_way(["layer_norm"], check, normalization=normalization)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mpzero import kernels
 from mpzero.kernels import reference
-from mpzero.testing import skip_module_without_extension
+from mpzero.testing import autograd_node_names, skip_module_without_extension
 
 skip_module_without_extension()
 
@@ -155,16 +155,6 @@ def test_gelu_mlp_gradient_accumulation_fusion():
     _assert_close_rel(w2p.main_grad, want[1], "w2")
 
 
-def _graph(t: torch.Tensor) -> str:
-    seen, todo, names = set(), [t.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return " ".join(names)
 
 
 @pytest.mark.parametrize("approximate,fused", [("tanh", "_GeluMLPBackward"),
@@ -187,7 +177,7 @@ def test_parallel_mlp_picks_its_fused_path_on_cuda(approximate, fused):
     for mode in ("auto", "off"):
         with tp.fused_paths(mode, ["bias_gelu", "gelu_gemm"]):
             y, _ = tp.parallel_mlp(x, fc, proj, approximate=approximate)
-        assert (fused in _graph(y)) == (mode == "auto"), mode
+        assert (fused in autograd_node_names(y)) == (mode == "auto"), mode
         (y.float() * g).sum().backward()
         out[mode] = [y.detach()] + [p.grad.clone() for p in (x, fc.weight, fc.bias,
                                                              proj.weight)]

@@ -9,20 +9,11 @@ import torch.nn.functional as F
 
 from mpzero import tensor_parallel as tp
 from mpzero.tensor_parallel import fusion
+from mpzero.testing import autograd_node_names
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _graph(t: torch.Tensor) -> str:
-    seen, todo, names = set(), [t.grad_fn], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.append(type(fn).__name__)
-        todo.extend(f for f, _ in fn.next_functions)
-    return " ".join(names)
 
 
 def _norm_inputs(dtype=torch.float32):
@@ -42,14 +33,14 @@ def test_norm_paths(rms):
     b = None if rms else b
     plain = F.rms_norm(x, (16,), w, 1e-5) if rms else F.layer_norm(x, (16,), w, b, 1e-5)
     fused = tp.norm(x, w, b, 1e-5, rms)
-    assert "mpzero_layer_norm_forward" in _graph(fused)
+    assert "mpzero_layer_norm_forward" in autograd_node_names(fused)
     with tp.fused_paths("off", ["layer_norm"]):
         off = tp.norm(x, w, b, 1e-5, rms)
-    assert "mpzero_layer_norm_forward" not in _graph(off)
+    assert "mpzero_layer_norm_forward" not in autograd_node_names(off)
     assert torch.equal(off, plain)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "mpzero_layer_norm_forward" not in _graph(tp.norm(x, w, b, 1e-5, rms))
+        assert "mpzero_layer_norm_forward" not in autograd_node_names(tp.norm(x, w, b, 1e-5, rms))
 
 
 def test_add_norm_paths_agree_forward_and_backward():
@@ -72,7 +63,7 @@ def test_mixed_dtypes_never_fuse():
     x, _, w, b = _norm_inputs()
     with tp.fused_paths("on"):
         out = tp.norm(x.bfloat16(), w, b)
-    assert "mpzero_layer_norm_forward" not in _graph(out)  # PyTorch's mixed-dtype norm
+    assert "mpzero_layer_norm_forward" not in autograd_node_names(out)  # PyTorch's mixed-dtype norm
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -91,7 +82,7 @@ def test_parallel_mlp_paths(approximate):
     for mode in ("auto", "on", "off"):
         with tp.fused_paths(mode, ["bias_gelu", "gelu_gemm"]):
             out, bias = tp.parallel_mlp(x, fc, proj, approximate=approximate)
-        graph = _graph(out)
+        graph = autograd_node_names(out)
         assert (want_fused in graph) == (mode == "on"), (mode, graph)
         out.square().sum().backward()
         results[mode] = [out.detach()] + [p.grad.clone() for p in (x, fc.weight, fc.bias,
