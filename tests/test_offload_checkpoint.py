@@ -121,7 +121,11 @@ def _resume(saved, grid, sharded):
     return True
 
 
-@pytest.mark.parametrize("size,grid", [(1, "flat"), (2, "flat"), (4, "2x2")])
+# The 2 x 2 grid in the quick tier (resharding and redundancy together); 1 and 2 ranks in
+# `make test`.
+@pytest.mark.parametrize("size,grid", [pytest.param(1, "flat", marks=pytest.mark.slow),
+                                       pytest.param(2, "flat", marks=pytest.mark.slow),
+                                       (4, "2x2")])
 @pytest.mark.parametrize("sharded", [False, True], ids=["full", "dcp"])
 def test_offload_checkpoint_round_trip(world, saved, size, grid, sharded):
     assert all(world(size, _resume, saved, grid, sharded))
