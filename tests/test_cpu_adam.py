@@ -277,6 +277,45 @@ def test_default_threads_share_the_host(monkeypatch):
         cpu_adam.default_threads.cache_clear()
 
 
+def test_kernels_adam_threads_reach_every_cpu_implementation(monkeypatch):
+    """``kernels.adam(..., threads=n)``: the C++ kernel gets ``threads=n``; any other CPU
+    implementation runs with torch on ``n`` threads, restored after."""
+    seen = []
+
+    def impl(*lists, **kw):
+        seen.append((kw.get("threads"), torch.get_num_threads()))
+
+    monkeypatch.setattr(kernels, "adam_implementation", lambda *a: impl)
+    p, g, m, v = _state([8], torch.float32, seed=95)
+    before = torch.get_num_threads()
+    kernels.adam(p, g, m, v, threads=before + 2, **_hyper(True, True, None))
+    monkeypatch.setattr(kernels, "_THREADED", (impl,))
+    kernels.adam(p, g, m, v, threads=before + 2, **_hyper(True, True, None))
+    assert seen == [(None, before + 2), (before + 2, before)]
+    assert torch.get_num_threads() == before
+
+
+def test_default_threads_are_the_rank_share_of_physical_cores(monkeypatch):
+    """16 CPUs, two per core: four unbound ranks get 2 cores each; a rank a launcher bound
+    to 4 CPUs has its share already (2 cores); without SMT those 4 CPUs are 4 cores."""
+    monkeypatch.setattr(cpu_adam.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(cpu_adam, "_physical_cores", lambda cpus: len(cpus) // 2)
+    cases = [(range(16), "4", 2), (range(4), "4", 2)]
+    try:
+        for mask, local, want in cases:
+            monkeypatch.setattr(cpu_adam.os, "sched_getaffinity", lambda _, m=mask: set(m),
+                                raising=False)
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+            cpu_adam.default_threads.cache_clear()
+            assert cpu_adam.default_threads() == want, (mask, local)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        monkeypatch.setattr(cpu_adam, "_physical_cores", lambda cpus: len(cpus))
+        cpu_adam.default_threads.cache_clear()
+        assert cpu_adam.default_threads() == 4
+    finally:
+        cpu_adam.default_threads.cache_clear()
+
+
 def test_many_threads_more_than_work():
     """More threads than items or cores: the result does not depend on the count."""
     p, g, m, v = _state([300001], torch.float32, seed=90)

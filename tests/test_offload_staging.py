@@ -4,11 +4,10 @@ boundary (offload_fakes.py): copies deferred to the waits, poisoned buffers. No 
 import pytest
 import torch
 
+from mpzero.kernels import torch_threads
 from mpzero.optimizers.offload import (
     HostStaging,
     SyncBoundary,
-    cpu_threads,
-    physical_cores_of_share,
 )
 
 from offload_fakes import FakeBoundary
@@ -120,30 +119,12 @@ def test_sync_boundary_copies_at_once():
     assert torch.equal(staging.wait(t), torch.arange(4.0))
 
 
-def test_cpu_threads_are_scoped():
+def test_torch_threads_are_scoped():
     before = torch.get_num_threads()
-    with cpu_threads(before + 1):
+    with torch_threads(before + 1):
         assert torch.get_num_threads() == before + 1
     assert torch.get_num_threads() == before
-    with pytest.raises(RuntimeError), cpu_threads(before + 2):
+    with pytest.raises(RuntimeError), torch_threads(before + 2):
         raise RuntimeError("the step failed")
     assert torch.get_num_threads() == before
-    assert physical_cores_of_share() >= 1
 
-
-def test_default_threads_are_the_rank_share_of_physical_cores(monkeypatch):
-    from mpzero.optimizers import offload
-
-    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(16)),
-                        raising=False)
-    monkeypatch.setattr(offload.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(offload, "_smt_siblings", lambda: 2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert offload.physical_cores_of_share() == 2  # 16 CPUs / 4 ranks / 2 per core
-    # A launcher bound this rank to 4 CPUs: that is its share already.
-    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda _: set(range(4)),
-                        raising=False)
-    assert offload.physical_cores_of_share() == 2
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    monkeypatch.setattr(offload, "_smt_siblings", lambda: 1)
-    assert offload.physical_cores_of_share() == 4

@@ -29,7 +29,8 @@ call can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -94,7 +95,7 @@ def adam(
     (optional) receives the updated fp32 value cast to its own dtype. All lists have
     the same length and pairwise equal element counts; ``step`` is the step number
     t >= 1 after the increment. See the module docstring for the math. ``threads``: how
-    many threads the CPU kernel uses for this call (others ignore it).
+    many CPU threads a CPU implementation uses for this call (CUDA ignores it).
     """
     kw = dict(
         lr=lr,
@@ -112,9 +113,7 @@ def adam(
         return
     lists = (params, grads, exp_avgs, exp_avg_sqs, params_out)
     impl = adam_implementation(False, lists, bias_correction)
-    if threads is not None and impl in _THREADED:
-        kw["threads"] = threads  # the CPU kernel's own pool (ranks run torch on one thread)
-    impl(*lists, **kw)
+    _call(impl, lists, kw, threads)
 
 
 def adam_remainders(
@@ -160,12 +159,36 @@ def adam_remainders(
         return
     lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out)
     impl = adam_implementation(True, lists, bias_correction)
-    if threads is not None and impl in _THREADED:
-        kw["threads"] = threads  # the CPU kernel's own pool (ranks run torch on one thread)
-    impl(*lists, **kw)
+    _call(impl, lists, kw, threads)
 
 
 _THREADED = (cpu_adam.adam, cpu_adam.adam_remainders)
+
+
+def _call(impl, lists, kw: dict, threads: int | None) -> None:
+    """``impl(*lists, **kw)`` on ``threads`` CPU threads: the C++ kernel's own pool, or
+    torch's intra-op threads for the duration of the call (training ranks run torch on
+    one thread)."""
+    if threads is None:
+        impl(*lists, **kw)
+    elif impl in _THREADED:
+        impl(*lists, threads=threads, **kw)
+    else:
+        with torch_threads(threads):
+            impl(*lists, **kw)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside, restored after."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            torch.set_num_threads(before)
 
 
 def _cpu_adam(*lists, bias_correction, **kw):

@@ -27,9 +27,6 @@ allocated there); the compute stream waits for a host->device copy's event
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -233,46 +230,3 @@ class HostStaging:
         dropped (their last copies are still waited on before reuse)."""
         self.all_on_device()
         self.handed.clear()
-
-
-# ------------------------------------------------------------------ CPU threads
-def physical_cores_of_share() -> int:
-    """Physical cores of this process's share of the host: the CPUs it may run on
-    (its affinity, what a launcher's binding leaves it), divided among the ranks on the
-    node when nothing bound them (``LOCAL_WORLD_SIZE``), then by the SMT siblings."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if local > 1 and cpus >= (os.cpu_count() or cpus):
-        cpus //= local
-    return max(1, cpus // _smt_siblings())
-
-
-def _smt_siblings() -> int:
-    path = "/sys/devices/system/cpu/cpu0/topology/thread_siblings_list"
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return 1
-    count = 0
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        count += int(hi) - int(lo) + 1 if hi else 1
-    return max(1, count)
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` inside, restored after (training ranks
-    usually run with one; the CPU step wants the cores of the rank's share)."""
-    before = torch.get_num_threads()
-    if n != before:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n != before:
-            torch.set_num_threads(before)

@@ -20,25 +20,15 @@ happens before anything is staged).
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-
 import torch
 
 from mpzero import kernels
 from mpzero.kernels.precision import copy_high_bytes
-from mpzero.optimizers.offload import HostStaging, Transfer, cpu_threads
+from mpzero.optimizers.offload import HostStaging, Transfer
 from mpzero.optimizers.options import is_byte_dtype
 from mpzero.optimizers.step import Stepper
 
 GRAD, PARAM, OUT, VALUE = "grad", "param", "out", "value"  # kinds of staging buffer
-
-
-def kernels_take_threads() -> bool:
-    """The CPU Adam of ``mpzero.kernels`` takes a ``threads`` argument: the step passes its
-    thread count there instead of setting torch's for its duration."""
-    return all("threads" in inspect.signature(f).parameters
-               for f in (kernels.adam, kernels.adam_remainders))
 
 
 class OffloadStepper(Stepper):
@@ -50,7 +40,6 @@ class OffloadStepper(Stepper):
         super().__init__(*args, **kwargs)
         self.staging = staging
         self.threads = threads
-        self.threads_argument = kernels_take_threads()
 
     def _params_dtype(self, b: int) -> torch.dtype | None:
         """The dtype bucket ``b``'s parameter shard travels to the host in, or None where
@@ -75,8 +64,7 @@ class OffloadStepper(Stepper):
         lr = kw["lr"]
         kw["lr"] = float(lr) if isinstance(lr, torch.Tensor) else lr
         kw["grad_scale"] = grad_scale if kw["grad_scale"] is not None else None
-        if self.threads_argument:
-            kw["threads"] = self.threads
+        kw["threads"] = self.threads
         return kw
 
     def run(self, found_inf: torch.Tensor | None, deferred: bool) -> None:
@@ -91,8 +79,8 @@ class OffloadStepper(Stepper):
         scale = self.state.grad_scale.cpu() if self.state.grad_scaled else None
         hyper = [self._host_hyper(gi, scale) for gi in range(len(self.state.param_groups))]
         staging = self.staging
-        with (contextlib.nullcontext() if self.threads_argument
-              else cpu_threads(self.threads)):
+        # The other host passes of the step (scaled states, byte casts) are torch ops.
+        with kernels.torch_threads(self.threads):
             incoming = {order[0]: self._stage_in(order[0])}
             for i, b in enumerate(order):
                 if i + 1 < len(order):

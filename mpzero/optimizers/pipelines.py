@@ -9,10 +9,11 @@ from typing import NamedTuple
 import torch
 
 from mpzero.comm import CommContext
+from mpzero.kernels import cpu_adam
 from mpzero.optimizers.grad_bucket import GradStorage
 from mpzero.optimizers.grad_sync import GradSync
 from mpzero.optimizers.norm import GradNorm
-from mpzero.optimizers.offload import HostStaging, boundary_for, physical_cores_of_share
+from mpzero.optimizers.offload import HostStaging, boundary_for
 from mpzero.optimizers.offload_step import OffloadStepper
 from mpzero.optimizers.param_sync import ParamSync
 from mpzero.optimizers.shards import GRADS, PARAMS, ShardStore
@@ -53,7 +54,7 @@ def build_pipelines(store: ShardStore, state: StepState, ctx: CommContext,
     if o.cpu_offload:
         stepper = OffloadStepper(o, store, grads, gathers, state,
                                  staging=HostStaging(boundary_for(o.device)),
-                                 threads=o.cpu_offload_threads or physical_cores_of_share())
+                                 threads=o.cpu_offload_threads or cpu_adam.default_threads())
     else:
         stepper = Stepper(o, store, grads, gathers, state)
     return Pipelines(grads, gathers, GradNorm(store, grads, g, state, sync), stepper)
