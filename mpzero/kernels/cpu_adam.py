@@ -17,8 +17,8 @@ Scaled 16-bit states are not a kernel mode: the optimizer unscales them into fp3
 working copies and calls the plain mode. Other dtypes or layouts go to the PyTorch paths
 (:func:`supported` says which). A nonzero ``found_inf`` changes nothing.
 
-Threads: :func:`get_threads` (``MPZERO_CPU_ADAM_THREADS``, else :func:`default_threads`);
-:func:`set_threads` changes it for the process, the ``threads=`` argument for one call.
+Threads: :func:`get_threads` (:func:`set_threads`'s value, else :func:`default_threads`);
+the ``threads=`` argument sets it for one call.
 """
 
 from __future__ import annotations
@@ -76,12 +76,8 @@ def default_threads() -> int:
 
 
 def get_threads() -> int:
-    """Threads a step uses: :func:`set_threads`'s value, else ``MPZERO_CPU_ADAM_THREADS``,
-    else :func:`default_threads`."""
-    if _threads is not None:
-        return _threads
-    env = os.environ.get("MPZERO_CPU_ADAM_THREADS", "").strip()
-    return int(env) if env else default_threads()
+    """Threads a step uses: :func:`set_threads`'s value, else :func:`default_threads`."""
+    return default_threads() if _threads is None else _threads
 
 
 def set_threads(n: int | None) -> None:
