@@ -21,6 +21,7 @@ from dfa_common import (
     loss_fn,
     make_model,
     param_groups,
+    train_split_steps,
 )
 from offload_fakes import FakeBoundary
 
@@ -44,22 +45,15 @@ def _opt(mode, offload, grid="flat", bucket=TINY):
 def _step(model, opt, data, s):
     """Step ``s`` over the whole global batch, split evenly over this world's ranks."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    per = SAVE_WORLD // world if world <= SAVE_WORLD else 1
-    opt.zero_grad()
-    if world > SAVE_WORLD:  # more ranks than micro-batches: halves of each, rescaled
-        x, y = data[s][rank // (world // SAVE_WORLD)][0]
-        half = x.shape[0] // (world // SAVE_WORLD)
-        k = rank % (world // SAVE_WORLD)
-        x, y = x[k * half:(k + 1) * half], y[k * half:(k + 1) * half]
-        (loss_fn(model, x, y) * world / SAVE_WORLD).backward()
-    else:
-        for j in range(per):
-            loss = loss_fn(model, *data[s][rank * per + j][0]) * world / SAVE_WORLD
-            if j < per - 1:
-                with opt.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
+    if world <= SAVE_WORLD:
+        train_split_steps(model, opt, data, [s], SAVE_WORLD)
+        return
+    opt.zero_grad()  # more ranks than micro-batches: halves of each, rescaled
+    x, y = data[s][rank // (world // SAVE_WORLD)][0]
+    half = x.shape[0] // (world // SAVE_WORLD)
+    k = rank % (world // SAVE_WORLD)
+    x, y = x[k * half:(k + 1) * half], y[k * half:(k + 1) * half]
+    (loss_fn(model, x, y) * world / SAVE_WORLD).backward()
     opt.step()
 
 
