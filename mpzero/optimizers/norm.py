@@ -30,8 +30,7 @@ class GradNorm:
     def views(self, parameters=None) -> list[torch.Tensor]:
         """This rank's synchronized gradient ranges that the norm counts (TP-replicated
         parameters only on TP rank 0): slices of the shards, or the direct gradients
-        themselves where they stand for a shard (grad_bucket.py)."""
-        self.sync()
+        themselves where they stand for a shard (grad_bucket.py). Call after ``sync``."""
         views = []
         store, rank = self.store, self.groups.distributed_rank
         wanted = None if parameters is None else {store.index[id(p)] for p in parameters}
@@ -96,6 +95,7 @@ class GradNorm:
         # Per element, as torch's GradScaler: the largest magnitude is finite exactly
         # when every element is (NaN propagates). A squared norm would overflow for
         # finite gradients above ~1.8e19 and skip steps torch takes.
+        self.sync()
         views = [v for v in self.views() if v.numel()]
         device = self.store.device
         if views:
