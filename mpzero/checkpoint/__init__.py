@@ -1,7 +1,8 @@
 """Sharded checkpoints of a model and its DistributedFusedAdam through
 ``torch.distributed.checkpoint`` (:mod:`mpzero.checkpoint.dcp`), reading checkpoint
 files without running code from them (:mod:`mpzero.checkpoint.safe_load`), and the
-``python -m mpzero.checkpoint`` tool (inspect / consolidate / export)."""
+``python -m mpzero.checkpoint`` tool (inspect / consolidate / export a DCP folder;
+:mod:`mpzero.checkpoint.tool`)."""
 
 from mpzero.checkpoint.dcp import (
     DCP_FORMAT,

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from examples.gpt import checkpointing, data
-from mpzero.checkpoint import __main__ as ckpt_tool
+from examples.gpt import checkpoint_tool, checkpointing, data
 
 
 def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int) -> Path:
@@ -22,16 +21,16 @@ def prepared_corpus(tmp_path_factory, name: str, max_mb: float, vocab_size: int)
 def verify_all(ckpt: str | Path) -> list[str]:
     """Problems of one of the example's checkpoints: no (valid) manifest, i.e. a save that
     did not finish, or a file of the manifest missing or not matching its checksum (as
-    ``python -m mpzero.checkpoint inspect`` checks them); [] when sound."""
+    ``python -m examples.gpt.checkpoint_tool inspect`` checks them); [] when sound."""
     try:
         checkpointing.read_manifest(ckpt)  # the tool also takes a bare DCP folder
     except checkpointing.CheckpointError as e:
         return [str(e)]
-    return [f"{name}: {status}" for name, _, status in ckpt_tool.check(Path(ckpt))
+    return [f"{name}: {status}" for name, _, status in checkpoint_tool.check(Path(ckpt))
             if status != "ok"]
 
 
 def merged_model(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The full (TP=1) model state dict of a checkpoint, every file verified first (the
     tool's ``consolidate``)."""
-    return ckpt_tool._load_verified(Path(ckpt))["model"]
+    return checkpoint_tool.load(Path(ckpt))["model"]

@@ -382,7 +382,8 @@ def test_checkpoint_cli_inspect_consolidate_export(saved, tmp_path, capsys):
     import torch
     from safetensors.torch import load_file
 
-    from mpzero.checkpoint.__main__ import main as cli
+    from examples.gpt.checkpoint_tool import main as cli
+    from mpzero.checkpoint.__main__ import main as dcp_cli
 
     assert cli(["inspect", str(saved)]) == 0
     out = capsys.readouterr().out
@@ -402,3 +403,11 @@ def test_checkpoint_cli_inspect_consolidate_export(saved, tmp_path, capsys):
     capsys.readouterr()
     assert cli(["inspect", str(bad)]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+    # mpzero's own tool reads the DCP folder alone: no checksums there, but DCP's
+    # metadata says how many bytes each file must hold.
+    assert dcp_cli(["inspect", str(saved / "iter_0000004" / "dcp")]) == 0
+    assert "all files sound" in capsys.readouterr().out
+    assert dcp_cli(["inspect", str(bad / "dcp")]) == 1
+    assert "TRUNCATED" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not a DCP checkpoint directory"):
+        dcp_cli(["inspect", str(saved)])
