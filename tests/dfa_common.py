@@ -172,4 +172,6 @@ STATE_MODES = {
                        param_sync_dtype=torch.bfloat16),
     "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
                    param_sync_dtype=torch.bfloat16),
+    "remainders_scaled": dict(store_params=False, store_param_remainders=True,
+                              with_scaled_states=True, param_sync_dtype=torch.bfloat16),
 }

@@ -599,3 +599,46 @@ def _add_param_group():
 
 def test_add_param_group(world):
     assert world(2, _add_param_group) == [True, True]
+
+
+def test_remainders_with_scaled_moments_store_six_bytes_an_element():
+    """``store_param_remainders`` + ``with_scaled_states``: no master, an int16 remainder
+    and bf16 moments with one fp32 scale per piece; nothing else per element (the
+    element -> piece map is made per call)."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=24 * 4 / 2**20,
+                               store_params=False, store_param_remainders=True,
+                               with_scaled_states=True, param_sync_dtype=torch.bfloat16)
+    opt.ensure_layout()
+    for st, lay in zip(opt.shards.shards, opt.shards.layouts):
+        assert st.master is None and st.exp_avg is None and st.exp_avg_sq is None
+        assert st.remainder.dtype == torch.int16 and st.remainder.numel() == lay.shard_size
+        assert set(st.scaled.data) == {"exp_avg", "exp_avg_sq"}
+        assert all(t.dtype == torch.bfloat16 and t.numel() == lay.shard_size
+                   for t in st.scaled.data.values())
+        per_element = [t for t in vars(st.scaled).values()
+                       if isinstance(t, torch.Tensor) and t.numel() >= lay.shard_size]
+        assert per_element == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("magnitude", [1e-12, 1e-3, 1.0, 1e6])
+def test_scaled_states_round_trip_small_and_large_values(dtype, magnitude):
+    """Each piece keeps its values to half an ulp of the 16-bit dtype, relative to the
+    piece's absmax (fp16: 2**-11, bf16: 2**-8), whatever its magnitude: a second moment
+    of 1e-24 neither underflows the fp32 scale nor the stored value."""
+    from mpzero.optimizers.scaled_state import ScaledStates
+
+    g = torch.Generator().manual_seed(0)
+    states = ScaledStates([(0, 10), (13, 40)], 48, dtype, torch.device("cpu"))
+    values = torch.zeros(48)
+    values[0:10] = torch.randn(10, generator=g) * magnitude
+    values[13:40] = torch.rand(27, generator=g) * magnitude**2  # a second moment's scale
+    states.store("exp_avg", values)
+    back = states.unscaled("exp_avg")
+    assert torch.isfinite(back).all()
+    rel = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    for lo, hi in ((0, 10), (13, 40)):
+        big = values[lo:hi].abs().max().item()
+        torch.testing.assert_close(back[lo:hi], values[lo:hi], rtol=rel, atol=rel * big)
+    assert torch.equal(back[10:13], torch.zeros(3)) and torch.equal(back[40:], torch.zeros(8))

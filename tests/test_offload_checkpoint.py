@@ -96,7 +96,7 @@ def _resume(saved, grid, sharded):
     for i in opt.shards.keys:
         for k in ("param", "exp_avg", "exp_avg_sq"):
             got, want = loaded["state"][i][k], full["state"][i][k]
-            if mode == "scaled":
+            if mode == "scaled" or (mode == "remainders_scaled" and k != "param"):
                 # One scale per fragment piece, and other grids and buckets cut other
                 # pieces: each value is re-stored to half a bf16 ulp of its new piece's
                 # absmax (on the same layout the values come back bit-exact; with or
@@ -110,6 +110,9 @@ def _resume(saved, grid, sharded):
         if mode == "scaled":  # the master re-stored as above, then one step of ~lr (1e-2)
             torch.testing.assert_close(p, q, rtol=2.0**-8,
                                        atol=2.0**-9 * q.abs().max().item() + 2 * 1e-2)
+        elif mode == "remainders_scaled":  # exact master; the moments re-stored move the
+            # step by ~2**-8 of lr (1e-2), and a bf16 parameter may round the other way
+            torch.testing.assert_close(p, q, rtol=2.0**-7, atol=2.0**-6 * 1e-2)
         else:
             torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     return True

@@ -143,6 +143,12 @@ class OptimizerConfig:
     store_param_remainders: bool = flag(
         False, "with --bf16: keep the fp32 masters as the bf16 parameter plus an int16 "
         "remainder (2 bytes per parameter instead of 4)")
+    exp_avg_dtype: str = flag(
+        "fp32", "dtype of Adam's first moment; bf16 (with --store-param-remainders): "
+        "16-bit moments with one fp32 scale per tensor piece, the master stays exact "
+        "(DistributedFusedAdam's with_scaled_states)", choices=("fp32", "bf16"))
+    exp_avg_sq_dtype: str = flag("fp32", "dtype of Adam's second moment (as --exp-avg-dtype)",
+                                 choices=("fp32", "bf16"))
     optimizer_cpu_offload: bool = flag(
         False, "the optimizer state in host memory and the Adam update on the CPU "
         "(DistributedFusedAdam's cpu_offload)")
@@ -430,6 +436,12 @@ def check(p: argparse.ArgumentParser, cfg: Config) -> None:
     if a["store_param_remainders"] and a["param_sync_dtype"] == "fp32":
         p.error("--store-param-remainders needs bf16 parameter gathers, got "
                 "--param-sync-dtype fp32")
+    if a["exp_avg_dtype"] != a["exp_avg_sq_dtype"]:
+        p.error(f"--exp-avg-dtype ({a['exp_avg_dtype']}) and --exp-avg-sq-dtype "
+                f"({a['exp_avg_sq_dtype']}) must be the same")
+    if a["exp_avg_dtype"] == "bf16" and not a["store_param_remainders"]:
+        p.error("--exp-avg-dtype bf16 needs --store-param-remainders (bf16 moments beside an "
+                "exact fp32 master: the bf16 parameter plus its int16 remainder)")
     if a["override_opt_param_scheduler"] and a["use_checkpoint_opt_param_scheduler"]:
         p.error("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
                 "contradict each other: the first makes the command line win, the second "

@@ -25,7 +25,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
                     overlap_grad_sync: bool = True, overlap_param_sync: bool = False,
                     bucket_cap_mb: float = 100.0, grad_sync_dtype: torch.dtype | None = None,
                     param_sync_dtype: torch.dtype | None = None,
-                    store_param_remainders: bool = False,
+                    store_param_remainders: bool = False, scaled_moments: bool = False,
                     compiled_units: Sequence[torch.nn.Module] = (),
                     gradient_accumulation_fusion: bool = False, cpu_offload: bool = False):
     """The optimizer over ``model.param_groups(weight_decay)`` wired to parallel_state.
@@ -34,7 +34,9 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
     gathered in their own dtype (bf16 parameters in bf16: the same values as rounding
     the fp32 masters after gathering them, at half the traffic).
     ``store_param_remainders``: DistributedFusedAdam keeps the fp32 masters of bf16
-    parameters as the parameter plus an int16 remainder (``store_params=False``).
+    parameters as the parameter plus an int16 remainder (``store_params=False``);
+    ``scaled_moments`` (with it) keeps Adam's moments in bf16 with one fp32 scale per
+    piece (``with_scaled_states``).
     ``compiled_units``: the modules whose forward is compiled; with
     ``overlap_param_sync`` each gets one forward pre-hook for all its parameters
     (``attach(unit, unit=True)``) instead of hooks inside the compiled code.
@@ -56,6 +58,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float,
         device=device, dtype=torch.float32, grad_sync_dtype=grad_sync_dtype,
         param_sync_dtype=param_sync_dtype,
         store_params=not store_param_remainders, store_param_remainders=store_param_remainders,
+        with_scaled_states=scaled_moments,
         overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync,
         bucket_cap_mb=bucket_cap_mb, model_parallel_group=mp_group,
         contiguous_grad_buffer=gradient_accumulation_fusion, cpu_offload=cpu_offload,

@@ -217,7 +217,8 @@ def build(cfg: Config, device: torch.device) -> Run:
         eps=o.adam_eps, device=device, overlap_grad_sync=o.overlap_grad_sync,
         overlap_param_sync=o.overlap_param_sync, bucket_cap_mb=o.bucket_cap_mb,
         grad_sync_dtype=dtypes[o.grad_sync_dtype], param_sync_dtype=dtypes[o.param_sync_dtype],
-        store_param_remainders=o.store_param_remainders, compiled_units=compiled,
+        store_param_remainders=o.store_param_remainders,
+        scaled_moments=o.exp_avg_dtype == "bf16", compiled_units=compiled,
         gradient_accumulation_fusion=o.gradient_accumulation_fusion,
         cpu_offload=o.optimizer_cpu_offload)
     tied = pipeline.tie_embedding(model, optimizer)  # None unless first/last of a pipeline

@@ -47,7 +47,7 @@ class OffloadStepper(Stepper):
         st, key = self.store.shards[b], self.store.layouts[b].key
         if st.remainder is not None:
             return torch.bfloat16  # the master's high halves, updated in place
-        if st.master is None and st.scaled is None:
+        if st.master is None and (st.scaled is None or not st.scaled.has_master):
             return key.state  # the parameters are the master
         return None
 
@@ -101,28 +101,28 @@ class OffloadStepper(Stepper):
         updated values in the param-sync dtype (what goes back to the device)."""
         st, lay = self.store.shards[b], self.store.layouts[b]
         grad = host[0]
+        exp_avg, exp_avg_sq = self.store.moments(b)  # fp32 working copies when scaled
         if st.remainder is not None:
             hi = host[1]  # bf16 high halves: updated in place, then the output
             for gi, lists in _by_group(st.group_ranges, hi, st.remainder, grad,
-                                       st.exp_avg, st.exp_avg_sq).items():
+                                       exp_avg, exp_avg_sq).items():
                 kernels.adam_remainders(*lists, None, **hyper[gi])
+            self.store.store_moments(b, exp_avg, exp_avg_sq)
             return hi
         out = self.staging.host_buffer(OUT, lay.shard_size, lay.key.param)
         value = out
         if is_byte_dtype(lay.key.param):  # the value in the param's dtype, then its top bytes
             value = self.staging.host_buffer(VALUE, lay.shard_size, lay.key.param_dtype)
-        if st.scaled is not None:  # fp32 working copies, rescaled after the update
+        if st.scaled is not None and st.scaled.has_master:
             master = st.scaled.unscaled("param")
-            exp_avg, exp_avg_sq = self.store.moments(b)
         else:
             master = st.master if st.master is not None else host[1]
-            exp_avg, exp_avg_sq = st.exp_avg, st.exp_avg_sq
         for gi, lists in _by_group(st.group_ranges, master, grad, exp_avg, exp_avg_sq,
                                    value).items():
             kernels.adam(*lists, **hyper[gi])
-        if st.scaled is not None:
+        if st.scaled is not None and st.scaled.has_master:
             st.scaled.store("param", master)
-            self.store.store_moments(b, exp_avg, exp_avg_sq)
+        self.store.store_moments(b, exp_avg, exp_avg_sq)
         if value is not out:
             copy_high_bytes(value, out)
         return out

@@ -89,9 +89,12 @@ def check_options(o: dict) -> None:
                 f"param_sync_dtype={_name(psd)}"
             )
     if o["with_scaled_states"]:
-        if not o["store_params"]:
-            raise OptionError("with_scaled_states=True requires store_params=True")
-        if dtype not in (torch.float16, torch.bfloat16):
+        if not (o["store_params"] or o["store_param_remainders"]):
+            raise OptionError("with_scaled_states=True requires store_params=True (or "
+                              "store_param_remainders=True: an exact master, bf16 moments)")
+        if o["store_param_remainders"]:
+            pass  # dtype fp32 and bf16 param sync: checked above; the moments are bf16
+        elif dtype not in (torch.float16, torch.bfloat16):
             raise OptionError(
                 f"with_scaled_states=True requires dtype float16 or bfloat16, got {_name(dtype)}"
             )
@@ -159,7 +162,9 @@ class Options:
     store_param_remainders: bool = False
     """bf16 parameters + int16 remainders stand for the fp32 master (bit-exact)."""
     with_scaled_states: bool = False
-    """Master and moments in 16 bits with one fp32 scale per fragment."""
+    """Master and moments in 16 bits (``dtype``) with one fp32 scale per fragment; with
+    ``store_param_remainders`` the master stays exact (parameter + remainder) and only
+    the moments are scaled, in bf16."""
     nccl_ub: bool = False
     """Gradient and shard buffers from the NCCL-registered memory pool."""
     capturable: bool = False

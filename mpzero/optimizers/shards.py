@@ -31,7 +31,7 @@ from mpzero.optimizers.layout import (
     utilization,
 )
 from mpzero.optimizers.options import BucketKey, Groups, OptionError, Options, check_sync_dtypes
-from mpzero.optimizers.scaled_state import ScaledStates
+from mpzero.optimizers.scaled_state import MOMENTS, ScaledStates
 from mpzero.warn import user_stacklevel
 
 UTILIZATION_WARNING = 0.7
@@ -197,9 +197,14 @@ class ShardStore:
             and any(self.params[f.param].dtype != dtype for f in lay.fragments))
         scaled = None
         if o.with_scaled_states:
-            scaled = ScaledStates([(p.shard_start, p.shard_end) for p in pieces],
-                                  lay.shard_size, dtype, self.state_device)
-            scaled.store("param", master)
+            ranges = [(p.shard_start, p.shard_end) for p in pieces]
+            if remainders or not store_master:  # the master is exact (the parameter, plus
+                # its remainder): only the moments are scaled, in bf16
+                scaled = ScaledStates(ranges, lay.shard_size, torch.bfloat16,
+                                      self.state_device, keys=MOMENTS)
+            else:
+                scaled = ScaledStates(ranges, lay.shard_size, dtype, self.state_device)
+                scaled.store("param", master)
         plain = not o.with_scaled_states
 
         def zeros():
@@ -289,11 +294,11 @@ class ShardStore:
         st = self.shards[b]
         if st.master is not None:
             return st.master
-        if st.scaled is not None:
-            return st.scaled.unscaled("param")
         if st.remainder is not None:
             hi = split_remainder(self.params_shard(b, torch.float32).to(self.state_device))[0]
             return merge_remainder(hi, st.remainder)
+        if st.scaled is not None and st.scaled.has_master:
+            return st.scaled.unscaled("param")
         return self.params_shard(b, self.layouts[b].key.state)
 
     def moments(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +327,7 @@ class ShardStore:
         values = values.to(self.state_device)
         if st.master is not None:
             st.master.copy_(values)
-        elif st.scaled is not None:
+        elif st.scaled is not None and st.scaled.has_master:
             st.scaled.store("param", values)
         elif st.remainder is not None:
             # Both halves from the loaded master, whatever rounding the user's model load

@@ -257,12 +257,16 @@ class Stepper:
 
     def _general_adam(self, buckets, outs) -> None:
         """The buckets a plan does not cover (scaled states, byte-level param sync, a
-        transient master): argument lists made for this step. Direct and remainder
-        buckets are always planned (remainders need bf16 sync and no scaled states)."""
+        transient master): argument lists made for this step. Plain and remainder
+        buckets without scaled states are always planned. Scaled buckets run one at a
+        time: their fp32 working copies exist for one bucket's shard only."""
         plain: dict[tuple, tuple[list, ...]] = {}
-        byte_outs, rescale = [], []
+        byte_outs = []
         for b in buckets:
             st, lay = self.store.shards[b], self.store.layouts[b]
+            if st.scaled is not None:
+                self._scaled_adam(b, outs[b])
+                continue
             grad = self.grads.buckets[b].shard
             out = outs[b]
             if is_byte_dtype(lay.key.param):  # the value in the param's dtype, then its top bytes
@@ -270,26 +274,49 @@ class Stepper:
                                     device=self.store.device)
                 byte_outs.append((value, out))
                 out = value
-            if st.scaled is not None:  # fp32 working copies, rescaled after the update
-                master = st.scaled.unscaled("param")
-                exp_avg, exp_avg_sq = self.store.moments(b)
-                rescale.append((b, master, exp_avg, exp_avg_sq))
-            else:
-                master = (st.master if st.master is not None
-                          else self.store.params_shard(b, lay.key.state))
-                exp_avg, exp_avg_sq = st.exp_avg, st.exp_avg_sq
+            master = (st.master if st.master is not None
+                      else self.store.params_shard(b, lay.key.state))
             if self.found_inf is not None:
                 out.copy_(master)  # a skipped step (device flag) must gather the old values
             for lo, hi, gi in st.group_ranges:
                 lists = plain.setdefault((gi, lay.key), ([], [], [], [], []))
-                for lst, t in zip(lists, (master, grad, exp_avg, exp_avg_sq, out)):
+                for lst, t in zip(lists, (master, grad, st.exp_avg, st.exp_avg_sq, out)):
                     lst.append(t[lo:hi])
         for (gi, _), (p, g, m, v, out) in plain.items():
             kernels.adam(p, g, m, v, out, **self._kwargs(gi))
-        for b, master, exp_avg, exp_avg_sq in rescale:
-            self.store.shards[b].scaled.store("param", master)
-            self.store.store_moments(b, exp_avg, exp_avg_sq)
         for value, out in byte_outs:
+            copy_high_bytes(value, out)
+
+    def _scaled_adam(self, b: int, out: torch.Tensor) -> None:
+        """Bucket ``b`` with scaled states: fp32 working copies of its moments (and of a
+        scaled master), the update, and the states stored back with new scales. With
+        remainders the bf16 halves are updated in place in ``out`` (then gathered)."""
+        st, lay = self.store.shards[b], self.store.layouts[b]
+        grad = self.grads.buckets[b].shard
+        exp_avg, exp_avg_sq = self.store.moments(b)
+        value = out
+        if is_byte_dtype(lay.key.param):
+            value = torch.empty(lay.shard_size, dtype=lay.key.param_dtype,
+                                device=self.store.device)
+        if st.remainder is not None:
+            if self.gathers.buckets[b].persistent is None:  # else out *is* the params
+                self.store.copy_params_into(out, lay.shard_pieces(self.rank))
+            for lo, hi, gi in st.group_ranges:
+                kernels.adam_remainders([out[lo:hi]], [st.remainder[lo:hi]], [grad[lo:hi]],
+                                        [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], None,
+                                        **self._kwargs(gi))
+        else:
+            master = (st.scaled.unscaled("param") if st.scaled.has_master
+                      else self.store.params_shard(b, lay.key.state))
+            if self.found_inf is not None:
+                value.copy_(master)
+            for lo, hi, gi in st.group_ranges:
+                kernels.adam([master[lo:hi]], [grad[lo:hi]], [exp_avg[lo:hi]],
+                             [exp_avg_sq[lo:hi]], [value[lo:hi]], **self._kwargs(gi))
+            if st.scaled.has_master:
+                st.scaled.store("param", master)
+        self.store.store_moments(b, exp_avg, exp_avg_sq)
+        if value is not out:
             copy_high_bytes(value, out)
 
     def _writes_params(self, b: int) -> bool:

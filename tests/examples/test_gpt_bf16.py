@@ -98,12 +98,14 @@ def _run_setups(device: str = "cpu", compile_mode: str | None = None,
     tokens = _tokens()
     out = {}
     setups = [("fp32", "dfa", False, False), ("dfa", "dfa", True, False),
-              ("adamw", "adamw", True, False), ("remainders", "dfa", True, True)]
+              ("adamw", "adamw", True, False), ("remainders", "dfa", True, True),
+              ("scaled", "dfa", True, True)]  # remainders with bf16 moments
     setups = [s for s in setups if s[0] in keys]
     for key, name, bf16, rem in setups + ([("compiled", "dfa", True, False)]
                                           if compile_mode else []):
+        extra = {"scaled_moments": True} if key == "scaled" else {}
         model, opt = _build(name, bf16, rem, device=device,
-                            compile_mode=compile_mode if key == "compiled" else None)
+                            compile_mode=compile_mode if key == "compiled" else None, **extra)
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16 if bf16
                                                          else torch.float32}
         out[key] = _train(model, opt, range(1, ITERS + 1), tokens)
@@ -114,14 +116,14 @@ def check_setups(r: dict) -> None:
     """What :func:`_run_setups` must show (also used by tests/gpu on CUDA)."""
     ref_losses, ref_norms = r["dfa"]
     assert ref_losses[-1] < ref_losses[0]  # it learns
-    for key in ("adamw", "remainders"):
+    for key in ("adamw", "remainders", "scaled"):
         if key not in r:
             continue
         losses, norms = r[key]
         assert losses == pytest.approx(ref_losses, rel=BF16_REL), key
         assert norms == pytest.approx(ref_norms, rel=NORM_REL), key
     if "fp32" in r:
-        for key in ("dfa", "adamw", "remainders"):
+        for key in ("dfa", "adamw", "remainders", "scaled"):
             if key in r:
                 assert r[key][0] == pytest.approx(r["fp32"][0], rel=FP32_REL), key
         assert r["fp32"][0][-1] < r["fp32"][0][0] - 0.1
@@ -133,7 +135,7 @@ def check_setups(r: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bf16_dfa_and_remainders_agree_and_track_fp32(world):
-    for r in world(2, _run_setups, keys=("fp32", "dfa", "remainders")):
+    for r in world(2, _run_setups, keys=("fp32", "dfa", "remainders", "scaled")):
         check_setups(r)
 
 

@@ -66,6 +66,10 @@ def losses(log: Path) -> list[float]:
     (["--store-param-remainders"], ["--store-param-remainders", "--bf16"]),
     (["--bf16", "--store-param-remainders", "--param-sync-dtype", "fp32"],
      ["--store-param-remainders", "--param-sync-dtype"]),
+    (["--bf16", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"],
+     ["--exp-avg-dtype", "--store-param-remainders"]),
+    (["--bf16", "--store-param-remainders", "--exp-avg-dtype", "bf16"],
+     ["--exp-avg-dtype", "--exp-avg-sq-dtype"]),
 ])
 def test_conflicting_precision_flags_name_both(argv, flags, capsys):
     with pytest.raises(SystemExit) as exc:

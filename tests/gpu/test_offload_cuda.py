@@ -21,6 +21,8 @@ MODES = {
                        param_sync_dtype=torch.bfloat16),
     "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
                    param_sync_dtype=torch.bfloat16),
+    "remainders_scaled": dict(store_params=False, store_param_remainders=True,
+                              with_scaled_states=True, param_sync_dtype=torch.bfloat16),
 }
 
 
@@ -72,13 +74,32 @@ def test_offload_matches_the_device_step(mode):
     _, on_gpu = _train(mode, False)
     _, offloaded = _train(mode, True)
     a, b = on_gpu.state_dict(), offloaded.state_dict()
-    tol = dict(rtol=1e-5, atol=1e-6) if mode != "scaled" else dict(rtol=2.0**-7, atol=1e-4)
+    tol = (dict(rtol=1e-5, atol=1e-6) if "scaled" not in mode
+           else dict(rtol=2.0**-7, atol=1e-4))
     for i in offloaded.shards.keys:
         for k in ("param", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(b["state"][i][k], a["state"][i][k], **tol)
     for st in offloaded.shards.shards:
         for t in (st.master, st.remainder, st.exp_avg, st.exp_avg_sq):
             assert t is None or t.device.type == "cpu"
+        if st.scaled is not None:
+            assert all(t.device.type == "cpu" for t in st.scaled.data.values())
+
+
+def test_remainders_with_scaled_moments_keep_ten_bytes_a_parameter():
+    """bf16 parameter + int16 remainder + bf16 moments: the optimizer's persistent state
+    on the device is 6 bytes a parameter (the gradient's 2 or 4 come on top)."""
+    model = _model(torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-3, bucket_cap_mb=0.01,
+                               **MODES["remainders_scaled"])
+    opt.ensure_layout()
+    torch.cuda.synchronize()
+    state = torch.cuda.memory_allocated() - before
+    padded = sum(lay.shard_size for lay in opt.shards.layouts)
+    assert padded * 6 <= state <= padded * 6 + 256 * 1024, (state, n, padded)
 
 
 @pytest.mark.parametrize("offload_first", [True, False])
