@@ -205,11 +205,8 @@ def test_sigusr1_to_the_batch_shell_reaches_the_ranks(data_dir, tmp_path):
 @pytest.mark.timeout(900)
 def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
     """SIGSTOP of one worker: the other's next collective (the gradient reduce-scatter
-    of the optimizer's group, usually) fails after --dist-timeout, it exits 1, and
-    torchrun SIGKILLs the stopped one after its grace; the job exits non-zero long
-    before torch's default group timeout (30 min on gloo)."""
-    # torchrun 2.13 gives the other workers 30 s after one failed (its failure path does
-    # not read --shutdown-timeout), and a stopped process cannot act on SIGTERM.
+    of the optimizer's group, usually) fails after --dist-timeout and it exits 1, long
+    before torch's default group timeout (30 min on gloo); the job exits non-zero."""
     timeout = 10
     log = tmp_path / "job.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -226,16 +223,19 @@ def test_a_hung_rank_ends_the_job_within_the_dist_timeout(data_dir, tmp_path):
         assert len(rank1) == 1, workers
         os.kill(rank1[0], signal.SIGSTOP)
         t0 = time.monotonic()
-        # Expected: ~timeout + that grace (40 s) when idle. The bound only tells "ended by the
-        # timeout" from "waits for torch's default" (1800 s on gloo): wide enough for a
-        # machine loaded many times over, far below the default.
+        # Expected: ~timeout when idle. The bound only tells "ended by the timeout" from
+        # "waits for torch's default" (1800 s on gloo): wide enough for a machine loaded
+        # many times over, far below the default.
         bound = 600
-        code = finish(proc, bound)
+        wait_for(log, "rank 0: a collective failed", proc, bound)
         elapsed = time.monotonic() - t0
+        # torchrun would give the stopped worker a fixed 30 s grace before its SIGKILL
+        # (torch's behaviour, not ours): let it go on instead; its peer is gone.
+        os.kill(rank1[0], signal.SIGCONT)
+        code = finish(proc, bound)
     finally:
         gpt_jobs.kill_tree(proc)
     text = log.read_text(errors="replace")
     assert code not in (None, 0), (code, elapsed, text[-4000:])
     assert elapsed < bound, elapsed
-    assert "rank 0: a collective failed" in text, text[-4000:]
     assert gpt_jobs.wait_gone(workers, 60) == [], "a worker outlived torchrun"
