@@ -32,8 +32,11 @@ demo: $(STAMP)
 	$(PY) -m examples.gpt.plot_log $(DEMO_OUT)/log.jsonl --output $(DEMO_OUT)/curves.png \
 	  --title "tiny GPT, 2 CPU ranks, ZeRO-2"
 
-# One line per test as it starts and ends (-v), the slowest at the end (--durations).
-PYTEST_SHOW := -v --durations=25 --durations-min=2
+# One line per test as it ends (-v), the slowest at the end (--durations). Tests run on
+# PYTEST_WORKERS pytest-xdist workers: most of a test's time is a multi-process world
+# starting up and waiting on its peers, so two workers keep a 2-core machine busy.
+PYTEST_WORKERS ?= 2
+PYTEST_SHOW := -v --durations=25 --durations-min=2 -n $(PYTEST_WORKERS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_SHOW) --timeout 600 $(PYTEST_ARGS)

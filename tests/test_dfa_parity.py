@@ -114,7 +114,7 @@ def _late_grad_cases():
     for use_no_sync in (False, True):
         for case in ("head_first", "fc1_first", "rank_dependent", "middle_only"):
             for world_size, grid in ((1, "flat"), (2, "flat"), (4, "flat"), (4, "2x2")):
-                quick = grid == "flat" and world_size == 2 or (
+                quick = (grid == "flat" and world_size == 2 and not use_no_sync) or (
                     grid == "2x2" and case == "rank_dependent")
                 cases.append(pytest.param(world_size, grid, case, use_no_sync,
                                           marks=() if quick else pytest.mark.slow))
