@@ -46,10 +46,12 @@ LARGE = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length
              micro_batch_size=8, vocab_size=50304)  # the 1.3B of the GPT-3 paper (default)
 SMALL = dict(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024,
              micro_batch_size=8, vocab_size=50304)  # GPT-2 small (124M)
+LLAMA7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096,
+               micro_batch_size=1, vocab_size=32000, ffn_hidden_size=11008)  # Llama-2-7B
 CPU = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
            micro_batch_size=2, vocab_size=512)
 SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-               "micro_batch_size", "vocab_size")
+               "micro_batch_size", "vocab_size", "ffn_hidden_size")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,22 +61,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, of {', '.join(worker.SETUPS)}")
     p.add_argument("--nproc", type=int, default=1, help="ranks per setup (one GPU each)")
     p.add_argument("--small", action="store_true", help="GPT-2 small shape: " + str(SMALL))
+    p.add_argument("--llama7b", action="store_true",
+                   help="the Llama-2-7B shape (" + str(LLAMA7B) + ") with --llama and full "
+                   "recompute: the one-GPU memory modes, e.g. --setups dfa-scaled,dfa-offload,"
+                   "fsdp2-offload,torch-bf16,torch --grad-acc 8")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per setup")
     worker.add_shape_args(p)
     p.set_defaults(**dict.fromkeys(SHAPE_FLAGS))  # None: from the preset
     a = p.parse_args(argv)
-    preset = CPU if a.cpu else SMALL if a.small else LARGE
+    preset = CPU if a.cpu else SMALL if a.small else LLAMA7B if a.llama7b else LARGE
     for key, value in preset.items():
         if getattr(a, key) is None:  # explicit shape flags win over the preset
             setattr(a, key, value)
+    if a.llama7b:
+        a.llama = True
+        a.recompute_granularity = a.recompute_granularity or "full"
     a.setups = [s for s in a.setups.split(",") if s]
     unknown = sorted(set(a.setups) - set(worker.SETUPS))
     if unknown:
         p.error(f"--setups: unknown {unknown}; choose from {', '.join(worker.SETUPS)}")
-    if a.nproc > 1 and "torch" in a.setups:
-        a.setups.remove("torch")  # no gradient sync: it is the one-process baseline
-        print("note: setup 'torch' runs only with --nproc 1; skipped", file=sys.stderr)
+    for one in ("torch", "torch-bf16"):
+        if a.nproc > 1 and one in a.setups:
+            a.setups.remove(one)  # no gradient sync: a one-process baseline
+            print(f"note: setup {one!r} runs only with --nproc 1; skipped", file=sys.stderr)
     return a
 
 
@@ -87,11 +97,12 @@ def _free_port() -> int:
 def worker_argv(a: argparse.Namespace, setup: str, result: Path) -> list[str]:
     out = ["--setup", setup, "--result", str(result)]
     for key in (*SHAPE_FLAGS, "grad_acc", "warmup", "iters", "seed", "compile_mode",
-                "grad_sync_dtype", "bucket_cap_mb", "peak_tflops", "attention_backend"):
+                "grad_sync_dtype", "bucket_cap_mb", "peak_tflops", "attention_backend",
+                "recompute_granularity"):
         value = getattr(a, key)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]
-    for flag in ("compile", "cpu", "openai_gelu"):
+    for flag in ("compile", "cpu", "openai_gelu", "llama"):
         if getattr(a, flag):
             out.append(f"--{flag.replace('_', '-')}")
     out.append("--overlap-param-sync" if a.overlap_param_sync else "--no-overlap-param-sync")

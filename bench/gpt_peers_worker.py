@@ -15,7 +15,17 @@ same random tokens from the same seed; only the training wrapper differs:
 ``dfa-remainders``        ``--bf16 --store-param-remainders`` (bf16 + int16 remainder)
 ``adamw``                 ``--bf16`` with bench/dp_adamw.py's DataParallelAdamW: torch AdamW on fp32
                           master copies, gradients all-reduced
+``dfa-scaled``            the 7B recipe's memory mode: ``--bf16 --store-param-remainders
+                          --exp-avg-dtype bf16`` with bf16 gradients (10 B a parameter)
+``dfa-offload``           the same with ``--optimizer-cpu-offload`` (4 B a parameter on
+                          the device; the update on the CPU)
+``fsdp2-offload``         ``fsdp2`` with ``CPUOffloadPolicy``: parameters, gradients and
+                          AdamW's state on the host, the step by torch's CPU AdamW
+``torch-bf16``            bf16 weights and ``torch.optim.AdamW(fused=True)`` on them: no
+                          fp32 master (lossy; a speed and memory reference)
 ========================  ==============================================================
+
+A setup that runs out of device memory is a row too (``"oom": true``).
 
 Each iteration: ``grad_acc`` forward/backward passes (all but the last without
 gradient sync: ``no_sync`` / ``set_requires_gradient_sync(False)`` / the example's
@@ -55,8 +65,10 @@ from examples.gpt.model import ATTENTION_BACKENDS, GPT, GPTConfig  # noqa: E402
 from mpzero import parallel_state  # noqa: E402
 from mpzero import tensor_parallel as tp  # noqa: E402
 
-SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw")
-BF16_PARAMS = ("dfa", "dfa-remainders", "adamw")  # the example's --bf16
+SETUPS = ("torch", "ddp", "zero1", "fsdp2", "dfa", "dfa-remainders", "adamw", "dfa-scaled",
+          "dfa-offload", "fsdp2-offload", "torch-bf16")
+DFA = ("dfa", "dfa-remainders", "dfa-scaled", "dfa-offload")
+BF16_PARAMS = (*DFA, "adamw", "torch-bf16")  # the example's --bf16 (and bf16 AdamW)
 HP = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 WEIGHT_DECAY, CLIP = 0.1, 1.0
 
@@ -131,7 +143,7 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
     def torch_clip():
         return torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
 
-    if setup == "torch":
+    if setup in ("torch", "torch-bf16"):
         if world != 1:
             raise ValueError("setup 'torch' has no gradient sync: run it with --nproc 1")
         return Wrapped(model, model, _torch_adamw(groups, device), autocast=autocast,
@@ -151,16 +163,20 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
                 fused=True if device.type == "cuda" else None, **HP)
         return Wrapped(model, ddp, opt, autocast=autocast, no_sync=ddp.no_sync,
                        clip=torch_clip)
-    if setup == "fsdp2":
+    if setup in ("fsdp2", "fsdp2-offload"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (world,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                            reduce_dtype=torch.float32))
+        if setup == "fsdp2-offload":
+            kw["offload_policy"] = CPUOffloadPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        opt = _torch_adamw(model.param_groups(WEIGHT_DECAY), device)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        opt = _torch_adamw(model.param_groups(WEIGHT_DECAY),
+                           torch.device("cpu") if setup == "fsdp2-offload" else device)
 
         @contextlib.contextmanager
         def no_sync():
@@ -172,15 +188,17 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
 
         return Wrapped(model, model, opt, autocast=autocast, no_sync=no_sync,
                        clip=torch_clip)
-    if setup in ("dfa", "dfa-remainders", "adamw"):
+    if setup in (*DFA, "adamw"):
         build = dp_adamw.build_dp_adamw if setup == "adamw" else optim.build_optimizer
+        scaled = setup in ("dfa-scaled", "dfa-offload")
+        extra = dict(scaled_moments=True, cpu_offload=setup == "dfa-offload") if scaled else {}
         opt = build(
             model, weight_decay=WEIGHT_DECAY,
             device=device, overlap_grad_sync=True, overlap_param_sync=a.overlap_param_sync,
             bucket_cap_mb=a.bucket_cap_mb,
-            grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" else None,
-            store_param_remainders=setup == "dfa-remainders", compiled_units=units,
-            gradient_accumulation_fusion=grad_accumulation_fusion(setup, a), **HP)
+            grad_sync_dtype=torch.bfloat16 if a.grad_sync_dtype == "bf16" or scaled else None,
+            store_param_remainders=setup == "dfa-remainders" or scaled, compiled_units=units,
+            gradient_accumulation_fusion=grad_accumulation_fusion(setup, a), **extra, **HP)
         if grad_accumulation_fusion(setup, a):
             optim.prepare_grad_accumulation_fusion(opt)
         return Wrapped(model, model, opt, autocast=autocast,
@@ -191,7 +209,7 @@ def build(setup: str, cfg: GPTConfig, device: torch.device, a) -> Wrapped:
 def uses_autocast(setup: str) -> bool:
     """The fp32-weight setups run their forward under bf16 autocast (FSDP2 casts its
     parameters to bf16 itself, the example's setups hold bf16 parameters)."""
-    return setup not in BF16_PARAMS and setup != "fsdp2"
+    return setup not in BF16_PARAMS and not setup.startswith("fsdp2")
 
 
 def grad_accumulation_fusion(setup: str, a) -> bool:
@@ -205,10 +223,15 @@ def grad_accumulation_fusion(setup: str, a) -> bool:
 
 def model_config(a, setup: str = "") -> GPTConfig:
     """The GPT of the shape flags (:func:`add_shape_args`); the same for every setup."""
+    llama = dict(swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                 untie_embeddings_and_output_weights=True, add_bias_linear=False) \
+        if a.llama else {}
     return GPTConfig(vocab_size=a.vocab_size, seq_length=a.seq_length, num_layers=a.num_layers,
                      hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                     ffn_hidden_size=a.ffn_hidden_size,
+                     recompute_granularity=a.recompute_granularity,
                      attention_backend=a.attention_backend, openai_gelu=a.openai_gelu,
-                     gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output))
+                     gelu_gemm_keep_output=bool(a.gelu_gemm_keep_output), **llama)
 
 
 # Bench-only flags that force a fused path of mpzero.tensor_parallel on or off (default:
@@ -233,10 +256,21 @@ def set_fused_paths(a) -> None:
 
 def run(setup: str, a) -> dict | None:
     """Train ``a.warmup + a.iters`` iterations; rank 0's summary (None elsewhere)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
         if not a.cpu else torch.device("cpu")
     cfg = model_config(a, setup)
+    try:
+        return _train(setup, cfg, device, a)
+    except torch.OutOfMemoryError as e:  # a row of its own: the setup does not fit
+        if rank != 0:
+            return None
+        return {"setup": setup, "error": "out of memory", "oom": True,
+                "detail": str(e).splitlines()[0][:300]}
+
+
+def _train(setup: str, cfg: GPTConfig, device: torch.device, a) -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
     w = build(setup, cfg, device, a)
     gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # each DP rank its own data
     total = a.warmup + a.iters
@@ -292,6 +326,11 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=2048)
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--vocab-size", type=int, default=50304)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (4 x hidden)")
+    g.add_argument("--llama", action="store_true", help="SwiGLU, RMSNorm, RoPE, untied "
+                   "output layer, no linear biases (the example's Llama flags)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="every setup's activation recompute (the example's flag)")
     g.add_argument("--grad-acc", type=int, default=1, help="micro-batches per iteration")
     g.add_argument("--attention-backend", choices=["auto", *ATTENTION_BACKENDS], default="auto",
                    help="SDPA kernel of every setup (the example's flag)")

@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
-#                             [heads] [layernorm] [sweep]
+#                             [heads] [layernorm] [sweep] [llama7b] [peers-7b]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -26,6 +26,11 @@
 #   heads:     bench/bench_heads_grad.py (the QKV gradient in one pass vs inductor's kernels)
 #   layernorm: the fused LayerNorm's and RMSNorm's GPU tests, bench/bench_layer_norm.py (both
 #              norms), and the 1.3B GA4 dfa iteration with and without --layernorm-fusion
+#   llama7b:   examples/gpt/recipes/llama2-7b-1gpu.sh, on-device state and then OFFLOAD=1
+#              (8 micro-batches a step, 6 iterations; peak memory and MFU in its log)
+#   peers-7b:  bench/bench_gpt_peers.py --llama7b: the one-GPU memory modes side by side
+#              (dfa-scaled, dfa-offload, FSDP2 with CPUOffloadPolicy, bf16 AdamW without
+#              master, and the fp32-master setups that run out of memory)
 #   sweep:     bench/sweep_launch.py (also as "prefetch"): the Adam kernels built with other
 #              launch constants (threads, chunk size, loads ahead off/on), each variant's bits
 #              checked against the default build and its time next to it
@@ -118,6 +123,13 @@ for s in $stages; do
                    --grad-acc 4 --setups dfa --warmup 3 --iters 5 $ln \
                    --json "$OUT/peers$ln.json"
                done ;;
+    llama7b) GLOBAL_BATCH=8 ITERS=6 stage llama7b bash examples/gpt/recipes/llama2-7b-1gpu.sh \
+               --log-file "$OUT/llama7b.jsonl"
+             OFFLOAD=1 GLOBAL_BATCH=8 ITERS=6 stage llama7b-offload \
+               bash examples/gpt/recipes/llama2-7b-1gpu.sh --log-file "$OUT/llama7b-offload.jsonl" ;;
+    peers-7b) stage peers-7b python3 bench/bench_gpt_peers.py --llama7b --compile --grad-acc 8 \
+                --setups dfa-scaled,dfa-offload,fsdp2-offload,torch-bf16,dfa-remainders,torch \
+                --warmup 2 --iters 4 --json "$OUT/peers_7b.json" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

@@ -1,5 +1,6 @@
-"""bench/bench_gpt_peers.py --cpu: the tiny shape on gloo, two setups in their own
-processes, the table and the JSON rows (a smoke test: no timing is checked)."""
+"""bench/bench_gpt_peers.py --cpu: the tiny shape on gloo (Llama flavour, full recompute),
+four setups in their own processes (DDP, DFA, DFA with bf16 moments and offload, bf16
+AdamW), the table and the JSON rows (a smoke test: no timing is checked)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "bench_gpt_peers.py"
@@ -17,18 +19,19 @@ BENCH = REPO / "bench" / "bench_gpt_peers.py"
 
 @pytest.mark.slow  # real processes or a big world: `make test` only
 @pytest.mark.timeout(600)
-def test_cpu_smoke_two_setups(tmp_path):
+def test_cpu_smoke_four_setups(tmp_path):
     out = tmp_path / "peers.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(BENCH), "--cpu", "--iters", "2", "--warmup",
-                           "1", "--setups", "ddp,dfa", "--json", str(out)],
+                           "1", "--setups", "ddp,dfa,dfa-offload,torch-bf16", "--llama",
+                           "--recompute-granularity", "full", "--json", str(out)],
                           capture_output=True, text=True, timeout=540, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "| setup | compile | iter ms | tokens/s |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["shape"]["num_layers"] == 2 and report["nproc"] == 1
     rows = {r["setup"]: r for r in report["rows"]}
-    assert set(rows) == {"ddp", "dfa"}
+    assert set(rows) == {"ddp", "dfa", "dfa-offload", "torch-bf16"}
     for name, r in rows.items():
         assert "error" not in r, (name, r)
         assert len(r["iter_ms_all"]) == 2 and r["iter_ms"] > 0 and r["tokens_per_s"] > 0
@@ -36,7 +39,8 @@ def test_cpu_smoke_two_setups(tmp_path):
         assert r["parameters"] > 0 and r["world"] == 1
     # Same seed, same data, same model: the first losses agree (fp32+autocast on CPU
     # vs bf16 parameters: within bf16 rounding).
-    assert rows["ddp"]["loss_first"] == pytest.approx(rows["dfa"]["loss_first"], rel=1e-2)
+    for name in ("dfa", "dfa-offload", "torch-bf16"):
+        assert rows["ddp"]["loss_first"] == pytest.approx(rows[name]["loss_first"], rel=1e-2)
 
 
 def test_unknown_setup_is_refused(capsys):
@@ -95,3 +99,24 @@ def test_plot_gpt_peers(tmp_path, mfu):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with pytest.raises(SystemExit, match="no row without an error"):
         plot_gpt_peers.plot({"shape": shape, "rows": report["rows"][2:]}, str(png))
+
+
+def test_a_setup_out_of_memory_is_a_row(monkeypatch):
+    """The fp32-master setups that do not fit (the 7B comparison) are rows saying so."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpt_peers_worker as worker
+
+    def no_room(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 25.00 GiB")
+
+    monkeypatch.setattr(worker, "_train", no_room)
+    monkeypatch.setattr(worker.dist, "get_rank", lambda: 0)
+    p = argparse.ArgumentParser()
+    worker.add_shape_args(p)
+    a = p.parse_args(["--cpu", "--num-layers", "1", "--hidden-size", "32",
+                      "--num-attention-heads", "2", "--seq-length", "8", "--llama"])
+    row = worker.run("torch", a)
+    assert row["oom"] is True and row["error"] == "out of memory"
+    assert "25.00 GiB" in row["detail"]
