@@ -619,6 +619,17 @@ def test_remainders_with_scaled_moments_store_six_bytes_an_element():
         per_element = [t for t in vars(st.scaled).values()
                        if isinstance(t, torch.Tensor) and t.numel() >= lay.shard_size]
         assert per_element == []
+    # One rank holds every bucket: the step updates the parameters' bf16 halves in place
+    # (no shard-sized output buffer per bucket), and the parameters move.
+    before = [p.detach().clone() for p in model.parameters()]
+    for group in opt.param_groups:
+        group["lr"] = 0.1  # Adam's first step moves every element by ~lr: past a bf16 ulp
+    (x, y), = batches(1, 1, 1, dtype=torch.bfloat16)[0][0]
+    loss_fn(model, x, y).backward()
+    opt.step()
+    (phase,) = opt.ensure_layout().stepper.phases(False)
+    assert phase.buffered == [] and phase.general == phase.buckets
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -287,10 +287,11 @@ class Stepper:
         for value, out in byte_outs:
             copy_high_bytes(value, out)
 
-    def _scaled_adam(self, b: int, out: torch.Tensor) -> None:
+    def _scaled_adam(self, b: int, out: torch.Tensor | None) -> None:
         """Bucket ``b`` with scaled states: fp32 working copies of its moments (and of a
         scaled master), the update, and the states stored back with new scales. With
-        remainders the bf16 halves are updated in place in ``out`` (then gathered)."""
+        remainders the bf16 halves are updated in place: in ``out`` (then gathered), or
+        where one rank holds the whole bucket (``out`` None) in the parameters."""
         st, lay = self.store.shards[b], self.store.layouts[b]
         grad = self.grads.buckets[b].shard
         exp_avg, exp_avg_sq = self.store.moments(b)
@@ -299,12 +300,20 @@ class Stepper:
             value = torch.empty(lay.shard_size, dtype=lay.key.param_dtype,
                                 device=self.store.device)
         if st.remainder is not None:
-            if self.gathers.buckets[b].persistent is None:  # else out *is* the params
-                self.store.copy_params_into(out, lay.shard_pieces(self.rank))
-            for lo, hi, gi in st.group_ranges:
-                kernels.adam_remainders([out[lo:hi]], [st.remainder[lo:hi]], [grad[lo:hi]],
-                                        [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], None,
-                                        **self._kwargs(gi))
+            if out is None:  # one rank holds the bucket: the parameters' bf16 halves
+                halves = [(lo, hi, gi, view) for (lo, hi, gi), view in self._param_views(b)]
+            else:
+                if self.gathers.buckets[b].persistent is None:  # else out *is* the params
+                    self.store.copy_params_into(out, lay.shard_pieces(self.rank))
+                halves = [(lo, hi, gi, out[lo:hi]) for lo, hi, gi in st.group_ranges]
+            lists: dict[int, tuple[list, ...]] = {}
+            for lo, hi, gi, half in halves:  # updated in place: one launch per group
+                per = lists.setdefault(gi, ([], [], [], [], []))
+                for lst, t in zip(per, (half, st.remainder[lo:hi], grad[lo:hi],
+                                        exp_avg[lo:hi], exp_avg_sq[lo:hi])):
+                    lst.append(t)
+            for gi, per in lists.items():
+                kernels.adam_remainders(*per, None, **self._kwargs(gi))
         else:
             master = (st.scaled.unscaled("param") if st.scaled.has_master
                       else self.store.params_shard(b, lay.key.state))
@@ -321,15 +330,17 @@ class Stepper:
 
     def _writes_params(self, b: int) -> bool:
         """The step writes bucket ``b``'s parameters in place: one rank holds the whole
-        bucket, the state is not scaled, and the value the parameters would receive
+        bucket, the master is not a scaled copy, and the value the parameters would receive
         through the sync is the kernel's output cast to their dtype (the param-sync
         dtype is theirs, or fp32, the kernel's own precision, or they are the bf16
         halves of remainders)."""
         # Called once per bucket (the phases are cached). With a contiguous param buffer
         # the shard buffer already is the parameters: writing them directly saves the
         # per-bucket stale/gather bookkeeping.
-        if self.store.groups.distributed_size != 1 or self.store.shards[b].scaled is not None:
-            return False
+        st = self.store.shards[b]
+        if self.store.groups.distributed_size != 1 or (st.scaled is not None
+                                                       and st.remainder is None):
+            return False  # a scaled master is stored, not the parameters
         sync = self.store.layouts[b].key.param
         if is_byte_dtype(sync):
             return False  # the parameters receive the values' top bytes only
