@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_session.sh [build] [tests] [kernels] [memory] [gpt] [step] [ckpt] [recompute]
 #                             [profile] [peers] [peers-ga] [peers-eager] [gelu] [mlp]
-#                             [heads] [layernorm] [sweep] [llama7b] [peers-7b]
+#                             [heads] [layernorm] [sweep] [llama7b] [peers-7b] [old-vs-new]
 #   (no argument: build tests kernels memory gpt)
 #
 #   step:      bench/bench_step.py (every optimizer mode vs torch fused AdamW and the copy floor)
@@ -31,6 +31,9 @@
 #   peers-7b:  bench/bench_gpt_peers.py --llama7b: the one-GPU memory modes side by side
 #              (dfa-scaled, dfa-offload, FSDP2 with CPUOffloadPolicy, bf16 AdamW without
 #              master, and the fp32-master setups that run out of memory)
+#   old-vs-new: bench/old_vs_new.sh run "$OLD_TREE" (a tree made here with
+#              `bash bench/old_vs_new.sh prepare REV DIR`, carried to the GPU machine):
+#              bench_step and the GPT peers' dfa setups of both trees, alternating
 #   sweep:     bench/sweep_launch.py (also as "prefetch"): the Adam kernels built with other
 #              launch constants (threads, chunk size, loads ahead off/on), each variant's bits
 #              checked against the default build and its time next to it
@@ -130,6 +133,8 @@ for s in $stages; do
     peers-7b) stage peers-7b python3 bench/bench_gpt_peers.py --llama7b --compile --grad-acc 8 \
                 --setups dfa-scaled,dfa-offload,fsdp2-offload,torch-bf16,dfa-remainders,torch \
                 --warmup 2 --iters 4 --json "$OUT/peers_7b.json" ;;
+    old-vs-new) OUT="$OUT/old-vs-new" stage old-vs-new bash bench/old_vs_new.sh run \
+                  "${OLD_TREE:?set OLD_TREE to a tree from bench/old_vs_new.sh prepare}" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
