@@ -133,7 +133,7 @@ for s in $stages; do
     peers-7b) stage peers-7b python3 bench/bench_gpt_peers.py --llama7b --compile --grad-acc 8 \
                 --setups dfa-scaled,dfa-offload,fsdp2-offload,torch-bf16,dfa-remainders,torch \
                 --warmup 2 --iters 4 --json "$OUT/peers_7b.json" ;;
-    old-vs-new) OUT="$OUT/old-vs-new" stage old-vs-new bash bench/old_vs_new.sh run \
+    old-vs-new) stage old-vs-new env OUT="$OUT/old-vs-new" bash bench/old_vs_new.sh run \
                   "${OLD_TREE:?set OLD_TREE to a tree from bench/old_vs_new.sh prepare}" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
