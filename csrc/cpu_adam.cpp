@@ -341,6 +341,196 @@ Pool& pool() {
   return *g_pool;
 }
 
+// ---- remainders with bf16 moments, one fp32 scale per piece (with_scaled_states) ----
+//
+// The fp32 moments are bf16 * scale. A new scale needs the absmax of the piece's new
+// moments, so two passes: the first computes the new moments and their absmax per piece
+// (writing nothing), the second computes them again, bit for bit the same, and writes them
+// over the new scale, and the master. The torch path it replaces (ScaledStates.unscaled,
+// adam_remainders, ScaledStates.store) rounds every operation alike, so both give the
+// same bits; it reads and writes ~3x the bytes.
+
+// One row per piece (int64 each): addresses of the bf16 halves, int16 remainders, g, bf16
+// m, bf16 v, the element count, g's dtype code, the piece's index in the scale arrays.
+struct SRow {
+  int64_t p, rem, g, m, v, numel, g_dtype, piece;
+};
+static_assert(sizeof(SRow) == 8 * sizeof(int64_t), "SRow is the wrapper's 8 int64 columns");
+
+struct SItem {
+  int64_t row, begin, end;
+};
+
+struct ScaledJob {
+  const SRow* rows;
+  std::vector<SItem> items;
+  std::atomic<int64_t> next{0};
+  Hyper h;
+  const float *ms, *vs;                 // the scales the moments are stored with
+  const float *ms_new, *vs_new;         // pass 2: the scales to store them with
+  std::atomic<uint32_t> *m_max, *v_max;  // pass 1: per piece, bits of the absmax
+  int pass;
+};
+
+// The new master and moments of element i (the update of `update` above, from bf16 moments).
+template <int G, bool W>
+MPZERO_INLINE void scaled_element(const uint16_t* __restrict ph, const uint16_t* __restrict r,
+                                  const void* __restrict g, const uint16_t* __restrict m,
+                                  const uint16_t* __restrict v, int64_t i, float ms, float vs,
+                                  const Hyper& h, float& x, float& mi, float& vi) {
+  const uint32_t hi = (uint32_t(ph[i]) - (uint32_t(r[i]) >> 15)) & 0xFFFFu;
+  x = float_of((hi << 16) | r[i]);
+  float gi = load_grad<G>(g, i) * h.gs;
+  if constexpr (!W) gi = gi + h.wd * x;
+  mi = h.beta1 * (bf16_to_f32(m[i]) * ms) + h.omb1 * gi;
+  vi = h.beta2 * (bf16_to_f32(v[i]) * vs) + h.omb2 * (gi * gi);
+}
+
+template <int G, bool W>
+MPZERO_INLINE void scaled_range(const SRow& row, int64_t b, int64_t n, ScaledJob& job) {
+  const Hyper& h = job.h;
+  uint16_t* ph = reinterpret_cast<uint16_t*>(row.p) + b;
+  uint16_t* r = reinterpret_cast<uint16_t*>(row.rem) + b;
+  const char* g = reinterpret_cast<const char*>(row.g) + b * (G == kF32 ? 4 : 2);
+  uint16_t* m = reinterpret_cast<uint16_t*>(row.m) + b;
+  uint16_t* v = reinterpret_cast<uint16_t*>(row.v) + b;
+  const float ms = job.ms[row.piece], vs = job.vs[row.piece];
+  float x, mi, vi;
+  if (job.pass == 1) {
+    float mmax = 0.0f, vmax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      scaled_element<G, W>(ph, r, g, m, v, i, ms, vs, h, x, mi, vi);
+      // As bits: non-negative floats order as integers, and a NaN wins, as in torch.
+      mmax = float_of(std::max(bits_of(mmax), bits_of(mi) & 0x7FFFFFFFu));
+      vmax = float_of(std::max(bits_of(vmax), bits_of(vi) & 0x7FFFFFFFu));
+    }
+    std::atomic<uint32_t>& am = job.m_max[row.piece];
+    std::atomic<uint32_t>& av = job.v_max[row.piece];
+    uint32_t seen = am.load(std::memory_order_relaxed);
+    while (bits_of(mmax) > seen && !am.compare_exchange_weak(seen, bits_of(mmax))) {
+    }
+    seen = av.load(std::memory_order_relaxed);
+    while (bits_of(vmax) > seen && !av.compare_exchange_weak(seen, bits_of(vmax))) {
+    }
+    return;
+  }
+  const float msn = job.ms_new[row.piece], vsn = job.vs_new[row.piece];
+  for (int64_t i = 0; i < n; ++i) {
+    scaled_element<G, W>(ph, r, g, m, v, i, ms, vs, h, x, mi, vi);
+    float u = (mi * h.bc1) / (__builtin_sqrtf(vi * h.bc2) + h.eps);
+    if constexpr (W) u = u + h.wd * x;
+    x = x - h.lr * u;
+    const uint32_t bits = bits_of(x), lo = bits & 0xFFFFu;
+    ph[i] = uint16_t(((bits >> 16) + (lo >> 15)) & 0xFFFFu);
+    r[i] = uint16_t(lo);
+    m[i] = f32_to_bf16(mi / msn);
+    v[i] = f32_to_bf16(vi / vsn);
+  }
+}
+
+using SKernel = void (*)(const SRow&, int64_t, int64_t, ScaledJob&);
+#define DEFINE_SCALED(NAME, G, W)                                               \
+  MPZERO_CLONES void NAME(const SRow& r, int64_t b, int64_t n, ScaledJob& job) { \
+    scaled_range<G, W>(r, b, n, job);                                           \
+  }
+DEFINE_SCALED(scaled_g32_l2, kF32, false)
+DEFINE_SCALED(scaled_g32_w, kF32, true)
+DEFINE_SCALED(scaled_gbf16_l2, kBF16, false)
+DEFINE_SCALED(scaled_gbf16_w, kBF16, true)
+DEFINE_SCALED(scaled_gf16_l2, kF16, false)
+DEFINE_SCALED(scaled_gf16_w, kF16, true)
+#undef DEFINE_SCALED
+// [gradient dtype][decoupled decay]
+const SKernel kScaled[3][2] = {{scaled_g32_l2, scaled_g32_w},
+                               {scaled_gbf16_l2, scaled_gbf16_w},
+                               {scaled_gf16_l2, scaled_gf16_w}};
+
+void scaled_work(void* arg, int) {
+  ScaledJob& job = *static_cast<ScaledJob*>(arg);
+  const int64_t total = static_cast<int64_t>(job.items.size());
+  for (;;) {
+    const int64_t k = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= total) break;
+    const SItem& it = job.items[k];
+    const SRow& r = job.rows[it.row];
+    kScaled[r.g_dtype][job.h.adam_w != 0](r, it.begin, it.end - it.begin, job);
+  }
+}
+
+// adam_scaled(table, m_scales, v_scales, half_max, lr, beta1, beta2, omb1, omb2, eps, wd,
+//             bc1, bc2, grad_scale, adam_w_mode, threads): the scale buffers (fp32, one per
+// piece of the whole shard) are read and then overwritten with the new scales of the
+// table's pieces: absmax / half_max, at least fp32's smallest normal; 1 for an absmax
+// that is 0 (or NaN).
+PyObject* py_adam_scaled(PyObject*, PyObject* args) {
+  Py_buffer table, mbuf, vbuf;
+  int adam_w, threads;
+  float half_max;
+  Hyper h{};
+  if (!PyArg_ParseTuple(args, "y*w*w*fffffffffffpi", &table, &mbuf, &vbuf, &half_max, &h.lr,
+                        &h.beta1, &h.beta2, &h.omb1, &h.omb2, &h.eps, &h.wd, &h.bc1, &h.bc2,
+                        &h.gs, &adam_w, &threads))
+    return nullptr;
+  h.adam_w = adam_w;
+  const int64_t pieces = mbuf.len / static_cast<Py_ssize_t>(sizeof(float));
+  const int64_t rows = table.len / static_cast<Py_ssize_t>(sizeof(SRow));
+  const SRow* row = static_cast<const SRow*>(table.buf);
+  bool ok = table.len % static_cast<Py_ssize_t>(sizeof(SRow)) == 0 && vbuf.len == mbuf.len;
+  for (int64_t i = 0; ok && i < rows; ++i) ok = row[i].piece >= 0 && row[i].piece < pieces;
+  if (!ok) {
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&mbuf);
+    PyBuffer_Release(&vbuf);
+    PyErr_SetString(PyExc_ValueError,
+                    "mpzero._cpu.adam_scaled: rows of 8 int64 with pieces inside the scales");
+    return nullptr;
+  }
+  float* mscale = static_cast<float*>(mbuf.buf);
+  float* vscale = static_cast<float*>(vbuf.buf);
+  std::vector<float> ms(mscale, mscale + pieces), vs(vscale, vscale + pieces);
+  std::vector<std::atomic<uint32_t>> m_max(pieces), v_max(pieces);
+  for (int64_t j = 0; j < pieces; ++j) {
+    m_max[j].store(0);
+    v_max[j].store(0);
+  }
+  ScaledJob job;
+  job.rows = row;
+  job.h = h;
+  job.ms = ms.data();
+  job.vs = vs.data();
+  job.m_max = m_max.data();
+  job.v_max = v_max.data();
+  int64_t total = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = row[i].numel;
+    total += n;
+    for (int64_t b = 0; b < n; b += kItem) job.items.push_back({i, b, std::min(n, b + kItem)});
+  }
+  const int64_t most = std::max<int64_t>(1, total / kPerThread);
+  const int n_threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+  Py_BEGIN_ALLOW_THREADS
+  job.pass = 1;
+  pool().run(n_threads, scaled_work, &job);
+  for (int64_t i = 0; i < rows; ++i) {  // the new scales of the table's pieces
+    const int64_t j = row[i].piece;
+    for (int k = 0; k < 2; ++k) {
+      const float a = float_of((k == 0 ? m_max : v_max)[j].load());
+      const float q = a / half_max;
+      (k == 0 ? mscale : vscale)[j] = a > 0.0f ? std::max(q, 1.17549435e-38f) : 1.0f;
+    }
+  }
+  job.ms_new = mscale;
+  job.vs_new = vscale;
+  job.next.store(0);
+  job.pass = 2;
+  pool().run(n_threads, scaled_work, &job);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&table);
+  PyBuffer_Release(&mbuf);
+  PyBuffer_Release(&vbuf);
+  Py_RETURN_NONE;
+}
+
 // adam(table, remainders, lr, beta1, beta2, omb1, omb2, eps, wd, bc1, bc2, grad_scale,
 //      adam_w_mode, threads)
 PyObject* py_adam(PyObject*, PyObject* args) {
@@ -467,6 +657,8 @@ PyMethodDef methods[] = {
      "copy(dst_address, src_address, nbytes, threads): memcpy on the step's thread pool"},
     {"adam", py_adam, METH_VARARGS,
      "Adam/AdamW over a table of tensor addresses (see mpzero/kernels/cpu_adam.py)"},
+    {"adam_scaled", py_adam_scaled, METH_VARARGS,
+     "Adam/AdamW on remainders with bf16 moments scaled per piece (cpu_adam.py)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "mpzero._cpu",

@@ -321,3 +321,51 @@ def test_many_threads_more_than_work():
     cpu_adam.adam(p, g, m, v, threads=1, **_hyper(True, True, None))
     cpu_adam.adam(p2, g, m2, v2, threads=16, **_hyper(True, True, None))
     assert all(_bits_equal(a, b) for a, b in zip(p + m + v, p2 + m2 + v2))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("gdt", FLOATS)
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_remainders_with_scaled_moments_match_the_torch_path(threads, gdt, adam_w_mode):
+    """``adam_remainders_scaled`` (two passes over bf16 moments) gives the bits of the path
+    it replaces: ``ScaledStates.unscaled``, ``adam_remainders``, ``ScaledStates.store``;
+    pieces of several sizes with gaps between them, two steps (the second reads moments
+    stored over the first's scales), moments spanning many orders of magnitude."""
+    from mpzero.optimizers.scaled_state import MOMENTS, ScaledStates
+
+    ranges = [(3, 516), (516, 4615), (4620, 74621), (74700, 274703)]
+    size = 274710
+    inside = torch.zeros(size, dtype=torch.bool)  # the gaps hold zeros, as in a shard
+    for lo, hi in ranges:
+        inside[lo:hi] = True
+    master = _rand(size, 1) * 0.05 * inside
+    grads = [(_rand(size, 10 + s) * torch.logspace(-6, 1, size) * inside).to(gdt)
+             for s in range(2)]
+    kw = dict(lr=1e-3, weight_decay=0.1, adam_w_mode=adam_w_mode, **HP)
+    out = {}
+    for fused in (False, True):
+        hi, rem = split_remainder(master.clone())
+        states = ScaledStates(ranges, size, torch.bfloat16, torch.device("cpu"), keys=MOMENTS)
+        for step in (1, 2):
+            g = grads[step - 1]
+            if fused:
+                pieces = states.pieces([(0, size, 0)])[0]
+                cut = [slice(lo, end) for _, lo, end in pieces]
+                cpu_adam.adam_remainders_scaled(
+                    [hi[c] for c in cut], [rem[c] for c in cut], [g[c] for c in cut],
+                    [states.data["exp_avg"][c] for c in cut],
+                    [states.data["exp_avg_sq"][c] for c in cut], [j for j, _, _ in pieces],
+                    states.scales["exp_avg"], states.scales["exp_avg_sq"], states.half_max,
+                    step=step, threads=threads, **kw)
+            else:
+                m, v = states.unscaled("exp_avg"), states.unscaled("exp_avg_sq")
+                cpu_adam.adam_remainders([hi], [rem], [g], [m], [v], step=step,
+                                         threads=threads, **kw)
+                states.store("exp_avg", m)
+                states.store("exp_avg_sq", v)
+        out[fused] = (hi, rem, states.data["exp_avg"], states.data["exp_avg_sq"],
+                      states.scales["exp_avg"], states.scales["exp_avg_sq"])
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    assert not torch.equal(out[True][0], split_remainder(master.clone())[0])  # it moved

@@ -13,7 +13,11 @@ Modes (every list entry a contiguous CPU tensor; views at any element offset are
 - remainders: bf16 ``params`` + int16 ``remainders`` (the exact fp32 master), fp32
   moments, the same grads and outputs (a bf16 output receives the new bf16 halves).
 
-Scaled 16-bit states are not a kernel mode: the optimizer unscales them into fp32
+- remainders with bf16 moments, one fp32 scale per piece (:func:`adam_remainders_scaled`,
+  ``with_scaled_states`` beside ``store_param_remainders``): two passes, the second
+  storing the moments over the scales the first chose.
+
+Other scaled states are not a kernel mode: the optimizer unscales them into fp32
 working copies and calls the plain mode. Other dtypes or layouts go to the PyTorch paths
 (:func:`supported` says which). A nonzero ``found_inf`` changes nothing.
 
@@ -37,8 +41,9 @@ try:
 except ImportError:  # pragma: no cover - built on every install that has a C++ compiler
     _cpu = None
 
-__all__ = ["available", "supported", "supported_remainders", "adam", "adam_remainders",
-           "get_threads", "set_threads", "default_threads"]
+__all__ = ["available", "supported", "supported_remainders", "supported_scaled", "adam",
+           "adam_remainders", "adam_remainders_scaled", "get_threads", "set_threads",
+           "default_threads"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NO_OUT = 3
@@ -149,25 +154,29 @@ def _num(x) -> float:
     return float(x.reshape(())) if isinstance(x, torch.Tensor) else float(x)
 
 
-def _run(name: str, lists, remainders: bool, *, lr, beta1, beta2, eps, weight_decay, step,
-         adam_w_mode=True, bias_correction=True, grad_scale=None, found_inf=None,
-         threads: int | None = None) -> None:
-    table = _table(name, lists)
-    if not table:
-        return
-    # A CPU flag: reading it is no device sync (a CUDA flag would wait for its stream).
+def _hyper(*, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode=True,
+           bias_correction=True, grad_scale=None, found_inf=None) -> tuple | None:
+    """The extension's hyper-parameter arguments, from ``lr`` to ``adam_w_mode``; None
+    when ``found_inf`` (a CPU flag: reading it is no device sync) says skip."""
     if found_inf is not None and bool(found_inf.reshape(()) != 0):
-        return
+        return None
     if not bias_correction:
         bc1 = bc2 = 1.0
     elif isinstance(step, torch.Tensor):  # fp64 pow in torch, as the reference computes it
         bc1, bc2 = (float(c) for c in bias_corrections(beta1, beta2, step, torch.device("cpu")))
     else:  # the reference's Python expressions, rounded to fp32 by the extension
         bc1, bc2 = 1.0 / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step)
+    return (_num(lr), beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay, bc1, bc2,
+            1.0 if grad_scale is None else _num(grad_scale), bool(adam_w_mode))
+
+
+def _run(name: str, lists, remainders: bool, *, threads: int | None = None, **kw) -> None:
+    table = _table(name, lists)
+    hyper = _hyper(**kw)
+    if not table or hyper is None:
+        return
     n = get_threads() if threads is None else int(threads)
-    _cpu.adam(table, remainders, _num(lr), beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps,
-              weight_decay, bc1, bc2, 1.0 if grad_scale is None else _num(grad_scale),
-              bool(adam_w_mode), max(1, n))
+    _cpu.adam(table, remainders, *hyper, max(1, n))
 
 
 def adam(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -189,3 +198,58 @@ def adam_remainders(params_bf16: Sequence[torch.Tensor], remainders: Sequence[to
     :func:`supported_remainders` accepts; ``hyper`` are that function's keywords."""
     _run("adam_remainders", (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs, params_out),
          True, threads=threads, **hyper)
+
+
+def supported_scaled(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs) -> bool:
+    """:func:`adam_remainders_scaled` takes these lists: bf16 halves, int16 remainders,
+    fp32/bf16/fp16 gradients, bf16 moments, each contiguous on the CPU."""
+    bf16 = (torch.bfloat16,)
+    return (_cpu is not None and hasattr(_cpu, "adam_scaled")
+            and all(_ok(t, bf16) for t in params_bf16)
+            and all(_ok(t, (torch.int16,)) for t in remainders)
+            and all(_ok(t, _FLOATS) for t in grads)
+            and all(_ok(t, bf16) for t in exp_avgs) and all(_ok(t, bf16) for t in exp_avg_sqs))
+
+
+def adam_remainders_scaled(params_bf16: Sequence[torch.Tensor],
+                           remainders: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                           exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                           pieces: Sequence[int], exp_avg_scales: torch.Tensor,
+                           exp_avg_sq_scales: torch.Tensor, half_max: float, *,
+                           threads: int | None = None, **hyper) -> None:
+    """:func:`adam_remainders` whose moments are stored in bf16 as ``x / scale``, one fp32
+    scale per piece (``with_scaled_states`` beside remainders), in two passes over memory.
+
+    Entry ``i`` of the lists is piece ``pieces[i]``; ``exp_avg_scales`` /
+    ``exp_avg_sq_scales`` (contiguous fp32 CPU tensors, one scale per piece of the whole
+    shard) hold the scales the moments are stored with, and receive, for these pieces,
+    the new ones: ``absmax / half_max`` of the new moments, at least fp32's smallest
+    normal, 1 where the absmax is 0. The bits are those of unscaling into fp32,
+    :func:`adam_remainders` and storing with the new scales
+    (``mpzero.optimizers.scaled_state``)."""
+    lists = (params_bf16, remainders, grads, exp_avgs, exp_avg_sqs)
+    n = len(params_bf16)
+    if any(len(lst) != n for lst in lists) or len(pieces) != n:
+        raise ValueError("adam_remainders_scaled: tensor lists have different lengths")
+    scales = (exp_avg_scales, exp_avg_sq_scales)
+    if not (supported_scaled(*lists) and all(_ok(t, _FP32) for t in scales)
+            and exp_avg_scales.numel() == exp_avg_sq_scales.numel()):
+        raise TypeError("adam_remainders_scaled: mpzero._cpu takes contiguous CPU tensors "
+                        "of the dtypes its supported_scaled() lists, and fp32 scales")
+    rows = array("q")
+    for i in range(n):
+        k = params_bf16[i].numel()
+        if any(t[i].numel() != k for t in lists[1:]):
+            raise ValueError(f"adam_remainders_scaled: tensor {i} has mismatched counts")
+        if not 0 <= pieces[i] < exp_avg_scales.numel():
+            raise ValueError(f"adam_remainders_scaled: piece {pieces[i]} has no scale")
+        if k:
+            rows.extend((params_bf16[i].data_ptr(), remainders[i].data_ptr(),
+                         grads[i].data_ptr(), exp_avgs[i].data_ptr(),
+                         exp_avg_sqs[i].data_ptr(), k, _CODES[grads[i].dtype], pieces[i]))
+    h = _hyper(**hyper)
+    if not rows or h is None:
+        return
+    t = get_threads() if threads is None else int(threads)
+    views = [memoryview(s.numpy()).cast("B") for s in scales]
+    _cpu.adam_scaled(rows, *views, float(half_max), *h, max(1, t))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from mpzero import kernels
+from mpzero.kernels import cpu_adam
 from mpzero.kernels.precision import copy_high_bytes
 from mpzero.optimizers.offload import HostStaging, Transfer
 from mpzero.optimizers.options import is_byte_dtype
@@ -101,6 +102,12 @@ class OffloadStepper(Stepper):
         updated values in the param-sync dtype (what goes back to the device)."""
         st, lay = self.store.shards[b], self.store.layouts[b]
         grad = host[0]
+        if st.remainder is not None and st.scaled is not None:
+            hi = host[1]
+            m16, v16 = st.scaled.data["exp_avg"], st.scaled.data["exp_avg_sq"]
+            if cpu_adam.supported_scaled([hi], [st.remainder], [grad], [m16], [v16]):
+                self._scaled_remainders(st, hi, grad, hyper)  # two passes, no fp32 copies
+                return hi
         exp_avg, exp_avg_sq = self.store.moments(b)  # fp32 working copies when scaled
         if st.remainder is not None:
             hi = host[1]  # bf16 high halves: updated in place, then the output
@@ -126,6 +133,20 @@ class OffloadStepper(Stepper):
         if value is not out:
             copy_high_bytes(value, out)
         return out
+
+
+    @staticmethod
+    def _scaled_remainders(st, hi: torch.Tensor, grad: torch.Tensor, hyper: list[dict]) -> None:
+        """Remainders with bf16 moments scaled per piece: the C++ kernel's two passes per
+        param group (the same bits as unscaling, ``adam_remainders`` and storing)."""
+        sc = st.scaled
+        m16, v16 = sc.data["exp_avg"], sc.data["exp_avg_sq"]
+        for gi, pieces in sc.pieces(st.group_ranges).items():
+            cut = [slice(lo, end) for _, lo, end in pieces]
+            cpu_adam.adam_remainders_scaled(
+                [hi[c] for c in cut], [st.remainder[c] for c in cut], [grad[c] for c in cut],
+                [m16[c] for c in cut], [v16[c] for c in cut], [j for j, _, _ in pieces],
+                sc.scales["exp_avg"], sc.scales["exp_avg_sq"], sc.half_max, **hyper[gi])
 
 
 def _by_group(ranges, *tensors: torch.Tensor) -> dict[int, list[list[torch.Tensor]]]:

@@ -48,6 +48,17 @@ class ScaledStates:
         self.scales = {k: torch.ones(len(bounds), dtype=torch.float32, device=device)
                        for k in self.keys}
 
+    def pieces(self, group_ranges) -> dict[int, list[tuple[int, int, int]]]:
+        """``{param group: [(piece, lo, hi), ...]}``: the scaled pieces of the shard (not
+        the gaps), each under the group of the ``(lo, hi, group)`` range that holds it."""
+        out: dict[int, list[tuple[int, int, int]]] = {}
+        gap = self.gap.tolist()
+        for j, (lo, hi) in enumerate(self.bounds):
+            if not gap[j]:
+                gi = next(g for a, b, g in group_ranges if a <= lo and hi <= b)
+                out.setdefault(gi, []).append((j, lo, hi))
+        return out
+
     def _segments(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t[lo:hi] for lo, hi in self.bounds]
 
