@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mpzero.kernels import cpu_adam
 from mpzero.optimizers import DistributedFusedAdam, OptionError
 from mpzero.optimizers.offload_step import OffloadStepper
 
@@ -279,3 +280,27 @@ def test_threads_reach_the_kernel_and_are_scoped(monkeypatch):
     opt.step()
     assert seen and all(s == (before + 1, before + 1) for s in seen), seen
     assert torch.get_num_threads() == before
+
+
+def _fused_scaled_kernel_runs():
+    calls = []
+    real = cpu_adam.adam_remainders_scaled
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return real(*args, **kwargs)
+
+    cpu_adam.adam_remainders_scaled = counted
+    try:
+        _compare("flat", "remainders_scaled")  # bitwise the on-device (torch ops) step
+    finally:
+        cpu_adam.adam_remainders_scaled = real
+    return len(calls)
+
+
+@pytest.mark.skipif(not cpu_adam.available(), reason="mpzero._cpu is not built")
+def test_offloaded_scaled_moments_take_the_two_pass_kernel(world):
+    """The offloaded step of remainders with bf16 moments runs the C++ kernel's two passes
+    (one call per bucket and param group), and its results are the on-device step's bits
+    (``_compare`` checks that)."""
+    assert all(n >= STEPS for n in world(2, _fused_scaled_kernel_runs))
