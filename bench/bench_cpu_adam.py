@@ -105,6 +105,40 @@ def _mpzero(a: Arena, threads: int, mode: str):
     return run
 
 
+def _scaled(a: Arena, threads: int, fused: bool):
+    """Remainders with bf16 moments, one fp32 scale per piece (two pieces): the two-pass
+    kernel, or the path it replaces (fp32 copies of the moments, ``adam_remainders``,
+    stored back over new scales with torch ops)."""
+    from mpzero import kernels
+    from mpzero.optimizers.scaled_state import MOMENTS, ScaledStates
+
+    half = a.n // 2
+    st = ScaledStates([(0, half), (half, a.n)], a.n, torch.bfloat16, torch.device("cpu"),
+                      keys=MOMENTS)
+    st.store("exp_avg", torch.full((a.n,), 1e-4))
+    st.store("exp_avg_sq", torch.full((a.n,), 1e-6))
+    pieces = st.pieces([(0, a.n, 0)])[0]
+    cut = [slice(lo, hi) for _, lo, hi in pieces]
+    m16, v16 = st.data["exp_avg"], st.data["exp_avg_sq"]
+
+    def run():
+        a.step += 1
+        if fused:
+            cpu_adam.adam_remainders_scaled(
+                [a.p16[c] for c in cut], [a.rem[c] for c in cut], [a.g16[c] for c in cut],
+                [m16[c] for c in cut], [v16[c] for c in cut], [j for j, _, _ in pieces],
+                st.scales["exp_avg"], st.scales["exp_avg_sq"], st.half_max, step=a.step,
+                threads=threads, **HP)
+            return
+        with kernels.torch_threads(threads):
+            m, v = st.unscaled("exp_avg"), st.unscaled("exp_avg_sq")
+            cpu_adam.adam_remainders([a.p16], [a.rem], [a.g16], [m], [v], step=a.step,
+                                     threads=threads, **HP)
+            st.store("exp_avg", m)
+            st.store("exp_avg_sq", v)
+    return run
+
+
 def _torch(a: Arena, **opts):
     param = torch.nn.Parameter(a.p)
     param.grad = a.g
@@ -143,6 +177,10 @@ ROWS = [  # name, bytes per parameter
     ("DeepSpeed CPU Adam", 28),
     ("mpzero._cpu bf16 grad+out", 28),
     ("mpzero._cpu remainders", 26),
+    # bf16 moments with scales: 6 B read in the first pass, 10 read + 8 written in the
+    # second; the torch path moves the same useful bytes through fp32 copies
+    ("mpzero._cpu remainders + bf16 scaled moments", 24),
+    ("remainders + bf16 scaled moments, torch ops", 24),
 ]
 
 
@@ -158,6 +196,8 @@ def bench(n: int, threads: int, reps: int, rounds: int) -> list[tuple[str, int, 
         "DeepSpeed CPU Adam": _deepspeed(a, threads),
         "mpzero._cpu bf16 grad+out": _mpzero(a, threads, "bf16 grad+out"),
         "mpzero._cpu remainders": _mpzero(a, threads, "remainders"),
+        "mpzero._cpu remainders + bf16 scaled moments": _scaled(a, threads, True),
+        "remainders + bf16 scaled moments, torch ops": _scaled(a, threads, False),
     }
     times: dict[str, list[float]] = {name: [] for name, _ in ROWS}
     for _ in range(rounds):
