@@ -258,6 +258,20 @@ struct Job {
   bool remainders;
 };
 
+// Work items of kItem elements over the rows' elements, and how many threads they are
+// worth (at most `threads`; fewer than kPerThread elements a thread use fewer).
+template <class R>
+int plan_items(const R* rows, int64_t n_rows, std::vector<Item>& items, int threads) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const int64_t n = rows[i].numel;
+    total += n;
+    for (int64_t b = 0; b < n; b += kItem) items.push_back({i, b, std::min(n, b + kItem)});
+  }
+  const int64_t most = std::max<int64_t>(1, total / kPerThread);
+  return static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+}
+
 void run_item(const Job& job, const Item& it) {
   const Row& r = job.rows[it.row];
   kKernels[job.remainders][r.g_dtype][r.out_dtype](r, it.begin, it.end - it.begin, job.h);
@@ -357,13 +371,9 @@ struct SRow {
 };
 static_assert(sizeof(SRow) == 8 * sizeof(int64_t), "SRow is the wrapper's 8 int64 columns");
 
-struct SItem {
-  int64_t row, begin, end;
-};
-
 struct ScaledJob {
   const SRow* rows;
-  std::vector<SItem> items;
+  std::vector<Item> items;
   std::atomic<int64_t> next{0};
   Hyper h;
   const float *ms, *vs;                 // the scales the moments are stored with
@@ -451,7 +461,7 @@ void scaled_work(void* arg, int) {
   for (;;) {
     const int64_t k = job.next.fetch_add(1, std::memory_order_relaxed);
     if (k >= total) break;
-    const SItem& it = job.items[k];
+    const Item& it = job.items[k];
     const SRow& r = job.rows[it.row];
     kScaled[r.g_dtype][job.h.adam_w != 0](r, it.begin, it.end - it.begin, job);
   }
@@ -500,14 +510,7 @@ PyObject* py_adam_scaled(PyObject*, PyObject* args) {
   job.vs = vs.data();
   job.m_max = m_max.data();
   job.v_max = v_max.data();
-  int64_t total = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t n = row[i].numel;
-    total += n;
-    for (int64_t b = 0; b < n; b += kItem) job.items.push_back({i, b, std::min(n, b + kItem)});
-  }
-  const int64_t most = std::max<int64_t>(1, total / kPerThread);
-  const int n_threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+  const int n_threads = plan_items(row, rows, job.items, threads);
   Py_BEGIN_ALLOW_THREADS
   job.pass = 1;
   pool().run(n_threads, scaled_work, &job);
@@ -552,14 +555,7 @@ PyObject* py_adam(PyObject*, PyObject* args) {
   job.h = h;
   job.remainders = remainders != 0;
   const int64_t rows = table.len / static_cast<Py_ssize_t>(sizeof(Row));
-  int64_t total = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t n = job.rows[i].numel;
-    total += n;
-    for (int64_t b = 0; b < n; b += kItem) job.items.push_back({i, b, std::min(n, b + kItem)});
-  }
-  const int64_t most = std::max<int64_t>(1, total / kPerThread);
-  const int n_threads = static_cast<int>(std::min<int64_t>(std::max(threads, 1), most));
+  const int n_threads = plan_items(job.rows, rows, job.items, threads);
   Py_BEGIN_ALLOW_THREADS
   pool().run(n_threads, work, &job);
   Py_END_ALLOW_THREADS
