@@ -298,6 +298,7 @@ def _fused_scaled_kernel_runs():
     return len(calls)
 
 
+@pytest.mark.slow  # `make test`: the quick tier's remainders_scaled run takes the same path
 @pytest.mark.skipif(not cpu_adam.available(), reason="mpzero._cpu is not built")
 def test_offloaded_scaled_moments_take_the_two_pass_kernel(world):
     """The offloaded step of remainders with bf16 moments runs the C++ kernel's two passes

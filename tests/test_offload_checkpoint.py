@@ -71,8 +71,18 @@ def _save(path, mode, offload):
     return full, weights, after
 
 
-@pytest.fixture(scope="module", params=[(m, o) for m in MODES for o in (True, False)],
-                ids=lambda p: f"{p[0]}-{'offload' if p[1] else 'device'}")
+def _saves():
+    """Every mode saved with and without offload; remainders with scaled moments saved
+    on the device (loaded offloaded) only in `make test` (the other direction stays
+    quick)."""
+    for m in MODES:
+        for o in (True, False):
+            slow = m == "remainders_scaled" and not o
+            yield pytest.param((m, o), marks=pytest.mark.slow if slow else (),
+                               id=f"{m}-{'offload' if o else 'device'}")
+
+
+@pytest.fixture(scope="module", params=_saves())
 def saved(request, tmp_path_factory):
     from mpzero.testing import run_on_world
 
