@@ -131,8 +131,8 @@ def reference():
 
 @pytest.mark.timeout(120)
 # The quick tier keeps one layout per schedule shape and grid axis; pp4 (the steady
-# state over 4 stages: pp2's with more warm-up) and pp2-tp2 (pp2-tp2-sp's without
-# sequence parallelism) run in `make test`.
+# state over 4 stages: pp2's with more warm-up), pp2-tp2 (pp2-tp2-sp's without
+# sequence parallelism) and the Llama variant run in `make test`.
 @pytest.mark.parametrize("world,tp_size,pp_size,global_batch,opts", [
     (2, 1, 2, 8, {}),  # 4 micro-batches over 2 stages
     pytest.param(4, 1, 4, 8, {}, marks=pytest.mark.slow),  # 4 micro-batches over 4 stages
@@ -140,7 +140,8 @@ def reference():
     pytest.param(4, 2, 2, 8, {}, marks=pytest.mark.slow),  # PP=2 x TP=2
     (4, 1, 2, 8, {}),  # PP=2 x DP=2: 2 micro-batches per data-parallel rank
     (4, 2, 2, 8, dict(sequence_parallel=True)),  # stages send (micro, seq/tp, h)
-    (4, 2, 2, 8, dict(LLAMA, sequence_parallel=True)),  # untied output: no tied embedding
+    pytest.param(4, 2, 2, 8, dict(LLAMA, sequence_parallel=True),  # untied: no tied
+                 marks=pytest.mark.slow),  # embedding (its ops are test_gpt_llama.py's)
 ], ids=["pp2", "pp4", "pp4-m2", "pp2-tp2", "pp2-dp2", "pp2-tp2-sp", "pp2-tp2-sp-llama"])
 def test_pipeline_equals_unsplit_model(reference, world, tp_size, pp_size, global_batch, opts):
     ref = reference(global_batch, opts)
