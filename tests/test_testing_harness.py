@@ -36,6 +36,7 @@ def test_results_in_rank_order_and_world_reused(world):
     assert [r[2] for r in first] == [r[2] for r in second]  # same processes: world reused
 
 
+@pytest.mark.slow  # two worlds started in a row: `make test` only
 def test_failing_rank_traceback_then_fresh_world(world):
     with pytest.raises(RankError, match=r"(?s)rank\(s\) \[1\].*ValueError: boom on rank one"):
         world(2, _fail_on_rank1)

@@ -13,6 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a benchmark's smoke run: `make test` only
 @pytest.mark.timeout(300)
 def test_table_rows():
     env = dict(os.environ, PYTHONPATH=str(REPO))

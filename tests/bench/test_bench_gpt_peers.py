@@ -101,6 +101,7 @@ def test_plot_gpt_peers(tmp_path, mfu):
         plot_gpt_peers.plot({"shape": shape, "rows": report["rows"][2:]}, str(png))
 
 
+@pytest.mark.slow  # imports the benchmark's worker: `make test` only
 def test_a_setup_out_of_memory_is_a_row(monkeypatch):
     """The fp32-master setups that do not fit (the 7B comparison) are rows saying so."""
     import argparse
