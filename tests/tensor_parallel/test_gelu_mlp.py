@@ -197,7 +197,7 @@ def _fused_vs_unfused(tp_size):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("size", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP 2: make test
 def test_tensor_parallel_equals_unfused(world, size):
     """TP 1 and 2, with and without sequence parallelism and biases: the fused MLP's
     output and gradients equal the unfused TP layers'."""
