@@ -33,8 +33,8 @@ demo: $(STAMP)
 	  --title "tiny GPT, 2 CPU ranks, ZeRO-2"
 
 # One line per test as it ends (-v), the slowest at the end (--durations). Tests run on
-# PYTEST_WORKERS pytest-xdist workers: most of a test's time is a multi-process world
-# starting up and waiting on its peers, so two workers keep a 2-core machine busy.
+# PYTEST_WORKERS pytest-xdist workers: a test's ranks wait on each other, so one worker
+# leaves a 2-core machine part idle (three measured slower than two there).
 PYTEST_WORKERS ?= 2
 PYTEST_SHOW := -v --durations=25 --durations-min=2 -n $(PYTEST_WORKERS)
 
