@@ -111,24 +111,23 @@ def _scaled(a: Arena, threads: int, fused: bool):
     stored back over new scales with torch ops)."""
     from mpzero import kernels
     from mpzero.optimizers.scaled_state import MOMENTS, ScaledStates
+    from mpzero.optimizers.step import by_group
 
     half = a.n // 2
     st = ScaledStates([(0, half), (half, a.n)], a.n, torch.bfloat16, torch.device("cpu"),
                       keys=MOMENTS)
     st.store("exp_avg", torch.full((a.n,), 1e-4))
     st.store("exp_avg_sq", torch.full((a.n,), 1e-6))
-    pieces = st.pieces([(0, a.n, 0)])[0]
-    cut = [slice(lo, hi) for _, lo, hi in pieces]
-    m16, v16 = st.data["exp_avg"], st.data["exp_avg_sq"]
+    ranges, pieces = st.pieces([(0, a.n, 0)])
+    (lists,) = by_group(ranges, a.p16, a.rem, a.g16, st.data["exp_avg"],
+                        st.data["exp_avg_sq"], pieces).values()
 
     def run():
         a.step += 1
         if fused:
-            cpu_adam.adam_remainders_scaled(
-                [a.p16[c] for c in cut], [a.rem[c] for c in cut], [a.g16[c] for c in cut],
-                [m16[c] for c in cut], [v16[c] for c in cut], [j for j, _, _ in pieces],
-                st.scales["exp_avg"], st.scales["exp_avg_sq"], st.half_max, step=a.step,
-                threads=threads, **HP)
+            cpu_adam.adam_remainders_scaled(*lists, st.scales["exp_avg"],
+                                            st.scales["exp_avg_sq"], st.half_max, step=a.step,
+                                            threads=threads, **HP)
             return
         with kernels.torch_threads(threads):
             m, v = st.unscaled("exp_avg"), st.unscaled("exp_avg_sq")

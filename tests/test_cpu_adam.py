@@ -332,6 +332,7 @@ def test_remainders_with_scaled_moments_match_the_torch_path(threads, gdt, adam_
     pieces of several sizes with gaps between them, two steps (the second reads moments
     stored over the first's scales), moments spanning many orders of magnitude."""
     from mpzero.optimizers.scaled_state import MOMENTS, ScaledStates
+    from mpzero.optimizers.step import by_group
 
     ranges = [(3, 516), (516, 4615), (4620, 74621), (74700, 274703)]
     size = 274710
@@ -349,14 +350,12 @@ def test_remainders_with_scaled_moments_match_the_torch_path(threads, gdt, adam_
         for step in (1, 2):
             g = grads[step - 1]
             if fused:
-                pieces = states.pieces([(0, size, 0)])[0]
-                cut = [slice(lo, end) for _, lo, end in pieces]
+                ranges_, pieces = states.pieces([(0, size, 0)])
+                (lists,) = by_group(ranges_, hi, rem, g, states.data["exp_avg"],
+                                    states.data["exp_avg_sq"], pieces).values()
                 cpu_adam.adam_remainders_scaled(
-                    [hi[c] for c in cut], [rem[c] for c in cut], [g[c] for c in cut],
-                    [states.data["exp_avg"][c] for c in cut],
-                    [states.data["exp_avg_sq"][c] for c in cut], [j for j, _, _ in pieces],
-                    states.scales["exp_avg"], states.scales["exp_avg_sq"], states.half_max,
-                    step=step, threads=threads, **kw)
+                    *lists, states.scales["exp_avg"], states.scales["exp_avg_sq"],
+                    states.half_max, step=step, threads=threads, **kw)
             else:
                 m, v = states.unscaled("exp_avg"), states.unscaled("exp_avg_sq")
                 cpu_adam.adam_remainders([hi], [rem], [g], [m], [v], step=step,

@@ -22,8 +22,6 @@ import torch
 from mpzero.checkpoint import dcp as mdcp
 from mpzero.checkpoint import safe_load
 
-BAD = ("MISSING", "TRUNCATED", "UNREADABLE")
-
 
 def is_dcp_dir(path: str | os.PathLike) -> bool:
     p = Path(path)
@@ -87,7 +85,7 @@ def file_table(rows: list[tuple[str, int | None, str]],
     for name, size, status in rows:
         total += size or 0
         lines.append(f"  {name:40s} {'-' if size is None else f'{size:,}':>14s}  {status}")
-    bad = [r for r in rows if r[2].split(" ")[0] in BAD or r[2] == "MISMATCH"]
+    bad = [r for r in rows if r[2] != "ok"]
     lines.append(f"  {total:,} bytes; " + (verdict if not bad
                                            else f"{len(bad)} bad file(s)"))
     return lines, not bad
@@ -96,7 +94,7 @@ def file_table(rows: list[tuple[str, int | None, str]],
 def load_checked(directory: str | os.PathLike) -> dict:
     """:func:`mpzero.checkpoint.consolidate` after :func:`check_files`; a damaged or
     refused checkpoint is a one-line exit (status 1) that names the file."""
-    bad = [r for r in check_files(directory) if r[2].split(" ")[0] in BAD]
+    bad = [r for r in check_files(directory) if r[2] != "ok"]
     if bad:
         raise SystemExit(f"error: cannot read checkpoint {directory}: "
                          + ", ".join(f"{n} {s}" for n, _, s in bad))

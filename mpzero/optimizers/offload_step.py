@@ -27,7 +27,7 @@ from mpzero.kernels import cpu_adam
 from mpzero.kernels.precision import copy_high_bytes
 from mpzero.optimizers.offload import HostStaging, Transfer
 from mpzero.optimizers.options import is_byte_dtype
-from mpzero.optimizers.step import Stepper
+from mpzero.optimizers.step import Stepper, by_group
 
 GRAD, PARAM, OUT, VALUE = "grad", "param", "out", "value"  # kinds of staging buffer
 
@@ -111,7 +111,7 @@ class OffloadStepper(Stepper):
         exp_avg, exp_avg_sq = self.store.moments(b)  # fp32 working copies when scaled
         if st.remainder is not None:
             hi = host[1]  # bf16 high halves: updated in place, then the output
-            for gi, lists in _by_group(st.group_ranges, hi, st.remainder, grad,
+            for gi, lists in by_group(st.group_ranges, hi, st.remainder, grad,
                                        exp_avg, exp_avg_sq).items():
                 kernels.adam_remainders(*lists, None, **hyper[gi])
             self.store.store_moments(b, exp_avg, exp_avg_sq)
@@ -124,7 +124,7 @@ class OffloadStepper(Stepper):
             master = st.scaled.unscaled("param")
         else:
             master = st.master if st.master is not None else host[1]
-        for gi, lists in _by_group(st.group_ranges, master, grad, exp_avg, exp_avg_sq,
+        for gi, lists in by_group(st.group_ranges, master, grad, exp_avg, exp_avg_sq,
                                    value).items():
             kernels.adam(*lists, **hyper[gi])
         if st.scaled is not None and st.scaled.has_master:
@@ -140,21 +140,8 @@ class OffloadStepper(Stepper):
         """Remainders with bf16 moments scaled per piece: the C++ kernel's two passes per
         param group (the same bits as unscaling, ``adam_remainders`` and storing)."""
         sc = st.scaled
-        m16, v16 = sc.data["exp_avg"], sc.data["exp_avg_sq"]
-        for gi, pieces in sc.pieces(st.group_ranges).items():
-            cut = [slice(lo, end) for _, lo, end in pieces]
-            cpu_adam.adam_remainders_scaled(
-                [hi[c] for c in cut], [st.remainder[c] for c in cut], [grad[c] for c in cut],
-                [m16[c] for c in cut], [v16[c] for c in cut], [j for j, _, _ in pieces],
-                sc.scales["exp_avg"], sc.scales["exp_avg_sq"], sc.half_max, **hyper[gi])
-
-
-def _by_group(ranges, *tensors: torch.Tensor) -> dict[int, list[list[torch.Tensor]]]:
-    """Per param group, one list per tensor of its ``ranges``' slices (one kernel call
-    per group)."""
-    lists: dict[int, list[list[torch.Tensor]]] = {}
-    for lo, hi, gi in ranges:
-        per = lists.setdefault(gi, [[] for _ in tensors])
-        for lst, t in zip(per, tensors):
-            lst.append(t[lo:hi])
-    return lists
+        ranges, pieces = sc.pieces(st.group_ranges)
+        for gi, lists in by_group(ranges, hi, st.remainder, grad, sc.data["exp_avg"],
+                                  sc.data["exp_avg_sq"], pieces).items():
+            cpu_adam.adam_remainders_scaled(*lists, sc.scales["exp_avg"],
+                                            sc.scales["exp_avg_sq"], sc.half_max, **hyper[gi])

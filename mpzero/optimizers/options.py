@@ -92,9 +92,8 @@ def check_options(o: dict) -> None:
         if not (o["store_params"] or o["store_param_remainders"]):
             raise OptionError("with_scaled_states=True requires store_params=True (or "
                               "store_param_remainders=True: an exact master, bf16 moments)")
-        if o["store_param_remainders"]:
-            pass  # dtype fp32 and bf16 param sync: checked above; the moments are bf16
-        elif dtype not in (torch.float16, torch.bfloat16):
+        # With remainders the dtype is fp32 (checked above) and the moments are bf16.
+        if not o["store_param_remainders"] and dtype not in (torch.float16, torch.bfloat16):
             raise OptionError(
                 f"with_scaled_states=True requires dtype float16 or bfloat16, got {_name(dtype)}"
             )

@@ -41,23 +41,24 @@ class ScaledStates:
         if shard_size > pos:
             bounds.append((pos, shard_size))
             gap.append(True)
-        self.bounds = bounds
+        self.bounds, self.is_gap = bounds, gap
         self.gap = torch.tensor(gap, dtype=torch.bool, device=device)  # scale pinned to 1
         self.half_max = torch.finfo(dtype).max / 2
         self.data = {k: torch.zeros(shard_size, dtype=dtype, device=device) for k in self.keys}
         self.scales = {k: torch.ones(len(bounds), dtype=torch.float32, device=device)
                        for k in self.keys}
 
-    def pieces(self, group_ranges) -> dict[int, list[tuple[int, int, int]]]:
-        """``{param group: [(piece, lo, hi), ...]}``: the scaled pieces of the shard (not
-        the gaps), each under the group of the ``(lo, hi, group)`` range that holds it."""
-        out: dict[int, list[tuple[int, int, int]]] = {}
-        gap = self.gap.tolist()
-        for j, (lo, hi) in enumerate(self.bounds):
-            if not gap[j]:
-                gi = next(g for a, b, g in group_ranges if a <= lo and hi <= b)
-                out.setdefault(gi, []).append((j, lo, hi))
-        return out
+    def pieces(self, group_ranges) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """The scaled pieces of the shard (not the gaps): their ``(lo, hi, group)``, each
+        under the group of the ``(lo, hi, group)`` range of ``group_ranges`` that holds
+        it, and their indices in the scales."""
+        ranges, pieces = [], []
+        for j, ((lo, hi), gap) in enumerate(zip(self.bounds, self.is_gap)):
+            if not gap:
+                ranges.append((lo, hi, next(g for a, b, g in group_ranges
+                                            if a <= lo and hi <= b)))
+                pieces.append(j)
+        return ranges, pieces
 
     def _segments(self, t: torch.Tensor) -> list[torch.Tensor]:
         return [t[lo:hi] for lo, hi in self.bounds]

@@ -35,6 +35,18 @@ from mpzero.optimizers.step_plan import GRAD, OUT, PlanBuilder, StepPlan
 from mpzero.optimizers.step_state import StepState
 
 
+def by_group(ranges, *columns) -> dict[int, list[list]]:
+    """Per param group of ``ranges`` (``(lo, hi, group)`` each), one list per column of
+    that group's pieces, in order: a tensor column gives its ``[lo:hi]`` slice, any other
+    column (one entry per range) its own entry. One kernel call per group."""
+    lists: dict[int, list[list]] = {}
+    for k, (lo, hi, gi) in enumerate(ranges):
+        per = lists.setdefault(gi, [[] for _ in columns])
+        for lst, col in zip(per, columns):
+            lst.append(col[lo:hi] if isinstance(col, torch.Tensor) else col[k])
+    return lists
+
+
 class Phase(NamedTuple):
     """Buckets stepped together (static once the layout is made)."""
 
@@ -299,29 +311,25 @@ class Stepper:
         if is_byte_dtype(lay.key.param):
             value = torch.empty(lay.shard_size, dtype=lay.key.param_dtype,
                                 device=self.store.device)
-        if st.remainder is not None:
-            if out is None:  # one rank holds the bucket: the parameters' bf16 halves
-                halves = [(lo, hi, gi, view) for (lo, hi, gi), view in self._param_views(b)]
+        if st.remainder is not None:  # the bf16 halves, updated in place
+            if out is None:  # one rank holds the bucket: in the parameters themselves
+                views = self._param_views(b)
+                ranges, halves = [r for r, _ in views], [view for _, view in views]
             else:
                 if self.gathers.buckets[b].persistent is None:  # else out *is* the params
                     self.store.copy_params_into(out, lay.shard_pieces(self.rank))
-                halves = [(lo, hi, gi, out[lo:hi]) for lo, hi, gi in st.group_ranges]
-            lists: dict[int, tuple[list, ...]] = {}
-            for lo, hi, gi, half in halves:  # updated in place: one launch per group
-                per = lists.setdefault(gi, ([], [], [], [], []))
-                for lst, t in zip(per, (half, st.remainder[lo:hi], grad[lo:hi],
-                                        exp_avg[lo:hi], exp_avg_sq[lo:hi])):
-                    lst.append(t)
-            for gi, per in lists.items():
-                kernels.adam_remainders(*per, None, **self._kwargs(gi))
+                ranges, halves = st.group_ranges, out
+            for gi, lists in by_group(ranges, halves, st.remainder, grad, exp_avg,
+                                      exp_avg_sq).items():
+                kernels.adam_remainders(*lists, None, **self._kwargs(gi))
         else:
             master = (st.scaled.unscaled("param") if st.scaled.has_master
                       else self.store.params_shard(b, lay.key.state))
             if self.found_inf is not None:
                 value.copy_(master)
-            for lo, hi, gi in st.group_ranges:
-                kernels.adam([master[lo:hi]], [grad[lo:hi]], [exp_avg[lo:hi]],
-                             [exp_avg_sq[lo:hi]], [value[lo:hi]], **self._kwargs(gi))
+            for gi, lists in by_group(st.group_ranges, master, grad, exp_avg, exp_avg_sq,
+                                      value).items():
+                kernels.adam(*lists, **self._kwargs(gi))
             if st.scaled.has_master:
                 st.scaled.store("param", master)
         self.store.store_moments(b, exp_avg, exp_avg_sq)

@@ -13,17 +13,11 @@ from mpzero.optimizers import DistributedFusedAdam
 from mpzero.optimizers.offload import CudaBoundary, HostStaging
 from mpzero.testing import requires_cuda
 
+from dfa_common import STATE_MODES  # tests/ is on the path (tests/conftest.py)
+
 pytestmark = [requires_cuda, pytest.mark.timeout(300)]
 
-MODES = {
-    "fp32": {},
-    "remainders": dict(store_params=False, store_param_remainders=True,
-                       param_sync_dtype=torch.bfloat16),
-    "scaled": dict(with_scaled_states=True, dtype=torch.bfloat16,
-                   param_sync_dtype=torch.bfloat16),
-    "remainders_scaled": dict(store_params=False, store_param_remainders=True,
-                              with_scaled_states=True, param_sync_dtype=torch.bfloat16),
-}
+MODES = STATE_MODES  # fp32, remainders, scaled, remainders_scaled (tests/dfa_common.py)
 
 
 def test_cuda_staging_round_trip():
