@@ -170,13 +170,17 @@ def _hyper(*, lr, beta1, beta2, eps, weight_decay, step, adam_w_mode=True,
             1.0 if grad_scale is None else _num(grad_scale), bool(adam_w_mode))
 
 
+def _threads_of(threads: int | None) -> int:
+    """The thread count of one call: ``threads``, else :func:`get_threads`."""
+    return max(1, get_threads() if threads is None else int(threads))
+
+
 def _run(name: str, lists, remainders: bool, *, threads: int | None = None, **kw) -> None:
     table = _table(name, lists)
     hyper = _hyper(**kw)
     if not table or hyper is None:
         return
-    n = get_threads() if threads is None else int(threads)
-    _cpu.adam(table, remainders, *hyper, max(1, n))
+    _cpu.adam(table, remainders, *hyper, _threads_of(threads))
 
 
 def adam(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -204,8 +208,7 @@ def supported_scaled(params_bf16, remainders, grads, exp_avgs, exp_avg_sqs) -> b
     """:func:`adam_remainders_scaled` takes these lists: bf16 halves, int16 remainders,
     fp32/bf16/fp16 gradients, bf16 moments, each contiguous on the CPU."""
     bf16 = (torch.bfloat16,)
-    return (_cpu is not None and hasattr(_cpu, "adam_scaled")
-            and all(_ok(t, bf16) for t in params_bf16)
+    return (_cpu is not None and all(_ok(t, bf16) for t in params_bf16)
             and all(_ok(t, (torch.int16,)) for t in remainders)
             and all(_ok(t, _FLOATS) for t in grads)
             and all(_ok(t, bf16) for t in exp_avgs) and all(_ok(t, bf16) for t in exp_avg_sqs))
@@ -250,6 +253,5 @@ def adam_remainders_scaled(params_bf16: Sequence[torch.Tensor],
     h = _hyper(**hyper)
     if not rows or h is None:
         return
-    t = get_threads() if threads is None else int(threads)
     views = [memoryview(s.numpy()).cast("B") for s in scales]
-    _cpu.adam_scaled(rows, *views, float(half_max), *h, max(1, t))
+    _cpu.adam_scaled(rows, *views, float(half_max), *h, _threads_of(threads))
